@@ -1,0 +1,52 @@
+"""The datasheet cost model: peak x published efficiency per GPU, α + bytes/β links.
+
+The embedded default until a device type has profiles (DESIGN.md §6). The efficiencies and
+their sources are in `hexiseq/data/gpus.yaml`; link bandwidth comes from the catalog (intra-node)
+and the cluster file (inter-node).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hexiseq.catalog import gpu_spec
+
+DATASHEET_LABEL = "datasheet estimate"
+
+# Collectives reach about 80 % of a link's nominal one-direction bandwidth: nccl-tests bus
+# bandwidth on NVLink4 (H100) tops out near 370 GB/s of 450, and on a 400 Gb/s NIC near 45 of
+# 50 GB/s. An assumption until `hexiseq profile links` measures each link (issue 5).
+LINK_EFFICIENCY = 0.8
+
+
+@dataclass(frozen=True)
+class DatasheetCostModel:
+    """Op and transfer times from datasheet peaks and published efficiencies."""
+
+    link_efficiency: float = LINK_EFFICIENCY
+
+    def label(self, gpu: str) -> str:
+        return "measured CPU peak" if gpu_spec(gpu).measured else DATASHEET_LABEL
+
+    def gemm_time_s(self, gpu: str, flops: float) -> float:
+        spec = gpu_spec(gpu)
+        return flops / (spec.peak_flops * spec.gemm_efficiency)
+
+    def attention_time_s(
+        self, gpu: str, pairs: float, heads: float, head_dim: int, *, backward: bool
+    ) -> float:
+        spec = gpu_spec(gpu)
+        # Forward: 4·D FLOPs per pair and head; FlashAttention's backward: 2.5x (see flops.py).
+        flops = 4.0 * head_dim * pairs * heads * (2.5 if backward else 1.0)
+        efficiency = spec.attention_bwd_efficiency if backward else spec.attention_fwd_efficiency
+        return flops / (spec.peak_flops * efficiency)
+
+    def memory_bound_time_s(self, gpu: str, bytes_moved: float) -> float:
+        return bytes_moved / (gpu_spec(gpu).hbm_GBps * 1e9)
+
+    def transfer_time_s(
+        self, bytes_moved: float, bandwidth_GBps: float, latency_s: float
+    ) -> float:
+        if bytes_moved <= 0:
+            return 0.0
+        return latency_s + bytes_moved / (bandwidth_GBps * 1e9 * self.link_efficiency)

@@ -1,0 +1,141 @@
+"""The `hexiseq` command line: a thin shell over the library.
+
+Bad input exits with code 2 and one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from hexiseq.cluster import cluster_presets
+from hexiseq.errors import HexiseqError
+from hexiseq.model import model_presets
+from hexiseq.store import DEFAULT_STORE_URL
+
+EXIT_BAD_INPUT = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error in one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hexiseq", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = commands.add_parser(
+        "plan",
+        help="find the fastest CP-HP plan for a cluster, model and sequence length",
+        description="Find the fastest asymmetric CP-HP plan and compare it with the baselines.",
+    )
+    plan.add_argument(
+        "--cluster",
+        required=True,
+        metavar="PATH|PRESET",
+        help=f"cluster YAML file or preset: {', '.join(cluster_presets())}",
+    )
+    plan.add_argument(
+        "--model",
+        required=True,
+        metavar="PRESET",
+        help=f"model preset: {', '.join(model_presets())}",
+    )
+    plan.add_argument(
+        "--seq-len", required=True, metavar="TOKENS", help="tokens per sequence: 131072, 128k, 1M"
+    )
+    plan.add_argument("--out", metavar="PATH", help="write the best plan as JSON here")
+    plan.add_argument(
+        "--store",
+        default=DEFAULT_STORE_URL,
+        metavar="URL",
+        help=f"SQLAlchemy URL of the store the plans are saved in (default {DEFAULT_STORE_URL})",
+    )
+    plan.add_argument("--no-store", action="store_true", help="do not save the plans")
+    plan.add_argument(
+        "--no-checkpointing", action="store_true", help="keep all activations (no recompute)"
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hexiseq` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _plan(args)
+    except HexiseqError as exc:
+        print(f"hexiseq: error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from hexiseq.report import format_search_result
+    from hexiseq.search import plan_search
+
+    store = _open_store(args)
+    result = plan_search(
+        args.cluster,
+        args.model,
+        args.seq_len,
+        activation_checkpointing=not args.no_checkpointing,
+    )
+    print(format_search_result(result))
+    if args.out:
+        _write_plan(result.best, args.out)
+        print(f"\nplan written to {args.out}")
+    if store is not None:
+        plan_id = _save(store, result)
+        print(f"saved to {store.url} as plan {plan_id} (baselines beside it)")
+        store.close()
+    return 0
+
+
+def _open_store(args: argparse.Namespace):
+    if args.no_store:
+        return None
+    from hexiseq.store import Store
+
+    return Store.open(args.store)
+
+
+def _write_plan(plan, path: str) -> None:
+    from hexiseq.errors import InputError
+
+    try:
+        plan.to_json(path)
+    except OSError as exc:
+        raise InputError(f"--out {path}: cannot write ({exc.strerror or exc})") from None
+
+
+def _save(store, result) -> int:
+    """The best plan and the feasible baselines, in one transaction."""
+    from hexiseq.plan import Plan
+
+    with store.transaction():
+        best_id = _save_one(store, result.best, "best")
+        for name, baseline in result.baselines.items():
+            if isinstance(baseline, Plan):
+                _save_one(store, baseline, name)
+    return best_id
+
+
+def _save_one(store, plan, label: str) -> int:
+    return store.save_plan(
+        plan.to_json_text(),
+        label=label,
+        cluster_name=plan.cluster.name,
+        model_name=plan.model.name,
+        seq_len=plan.train.seq_len,
+        tokens_per_s=plan.predicted.tokens_per_s,
+        step_time_s=plan.predicted.step_time_s,
+        cost_model=plan.cost_model_summary,
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

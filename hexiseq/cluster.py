@@ -1,0 +1,261 @@
+"""Clusters: nodes of GPUs and the links between them, read from YAML, a dict or a preset.
+
+The file format (DESIGN.md §2) is validated by pydantic models so that bad input gets one line
+naming the file, the field and what is allowed; inside the program a `Cluster` is a frozen
+dataclass with one `Device` per global rank (ranks numbered node by node, in file order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from hexiseq._yaml import format_validation_error, read_yaml_file
+from hexiseq.catalog import GpuSpec, gpu_catalog, gpu_spec
+from hexiseq.errors import InputError
+
+DEFAULT_INTER_NODE_LATENCY_US = 10.0  # NCCL small-message latency over InfiniBand/RoCE, order of
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeFile(_Strict):
+    """One node of the cluster file."""
+
+    name: str = Field(min_length=1)
+    gpu: str
+    count: int = Field(ge=1, le=1024)
+    intra_node_GBps: float | None = Field(default=None, gt=0)
+    emulation_slowdown: float = Field(default=1.0, ge=1.0)
+
+    @field_validator("gpu")
+    @classmethod
+    def _known_gpu(cls, name: str) -> str:
+        if name not in gpu_catalog():
+            raise ValueError(f"unknown GPU '{name}'; allowed: {', '.join(gpu_catalog())}")
+        return name
+
+    @model_validator(mode="after")
+    def _emulation_only_on_cpu(self) -> NodeFile:
+        if self.emulation_slowdown != 1.0 and self.gpu != "cpu":
+            raise ValueError(
+                f"emulation_slowdown is for gpu: cpu test clusters only (node '{self.name}' "
+                f"has gpu {self.gpu})"
+            )
+        return self
+
+
+class OverrideFile(_Strict):
+    """Bandwidth of the link between two nodes, overriding `inter_node_GBps`."""
+
+    a: str
+    b: str
+    GBps: float = Field(gt=0)
+
+
+class NetworkFile(_Strict):
+    """Inter-node network: per-GPU NIC bandwidth in one direction, optional per-pair overrides."""
+
+    inter_node_GBps: float = Field(gt=0)
+    inter_node_latency_us: float = Field(default=DEFAULT_INTER_NODE_LATENCY_US, ge=0)
+    overrides: list[OverrideFile] = Field(default_factory=list)
+
+
+class ClusterFile(_Strict):
+    """The whole cluster YAML document."""
+
+    name: str = Field(min_length=1)
+    nodes: list[NodeFile] = Field(min_length=1)
+    network: NetworkFile | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterFile:
+        names = [node.name for node in self.nodes]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"node names must be unique; repeated: {', '.join(duplicates)}")
+        if len(self.nodes) > 1 and self.network is None:
+            raise ValueError("network is required when there is more than one node")
+        for override in self.network.overrides if self.network else []:
+            for end in (override.a, override.b):
+                if end not in names:
+                    raise ValueError(
+                        f"network.overrides names unknown node '{end}'; nodes: {', '.join(names)}"
+                    )
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class Node:
+    """A node: `count` GPUs of one model sharing an intra-node link."""
+
+    name: str
+    gpu: str
+    count: int
+    intra_node_GBps: float
+    emulation_slowdown: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    """One GPU: its global rank, GPU model, node name and rank inside the node."""
+
+    rank: int
+    gpu: str
+    node: str
+    local_rank: int
+    emulation_slowdown: float = 1.0
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A heterogeneous cluster (contract: `from_yaml`, `from_dict`, `preset`, `devices`)."""
+
+    name: str
+    nodes: tuple[Node, ...]
+    inter_node_GBps: float
+    inter_node_latency_us: float
+    overrides: tuple[tuple[str, str, float], ...] = ()
+
+    @property
+    def devices(self) -> list[Device]:
+        """One `Device` per global rank, node by node in file order."""
+        devices: list[Device] = []
+        for node in self.nodes:
+            for local in range(node.count):
+                devices.append(
+                    Device(len(devices), node.gpu, node.name, local, node.emulation_slowdown)
+                )
+        return devices
+
+    @property
+    def world_size(self) -> int:
+        return sum(node.count for node in self.nodes)
+
+    @property
+    def gpu_types(self) -> list[str]:
+        """GPU models present, in order of first appearance."""
+        return list(dict.fromkeys(node.gpu for node in self.nodes))
+
+    def gpu(self, rank: int) -> GpuSpec:
+        """Catalog entry of the GPU at `rank`."""
+        return gpu_spec(self.devices[rank].gpu)
+
+    def link_GBps(self, node_a: str, node_b: str) -> float:
+        """One-direction bandwidth per GPU between two nodes (intra-node link if equal)."""
+        if node_a == node_b:
+            return self._node(node_a).intra_node_GBps
+        for a, b, gbps in self.overrides:
+            if {a, b} == {node_a, node_b}:
+                return gbps
+        return self.inter_node_GBps
+
+    def link_latency_s(self, node_a: str, node_b: str) -> float:
+        """Per-message latency between two nodes in seconds."""
+        if node_a == node_b:
+            return gpu_spec(self._node(node_a).gpu).intra_node_latency_us * 1e-6
+        return self.inter_node_latency_us * 1e-6
+
+    def _node(self, name: str) -> Node:
+        return next(node for node in self.nodes if node.name == name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The cluster as a document `from_dict` accepts (round-trips exactly)."""
+        return {
+            "name": self.name,
+            "nodes": [_node_to_dict(node) for node in self.nodes],
+            "network": {
+                "inter_node_GBps": self.inter_node_GBps,
+                "inter_node_latency_us": self.inter_node_latency_us,
+                "overrides": [{"a": a, "b": b, "GBps": g} for a, b, g in self.overrides],
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, document: Any, source: str = "cluster") -> Cluster:
+        """Validate a cluster document; `InputError` with one line naming the field otherwise."""
+        if not isinstance(document, dict):
+            kind = type(document).__name__
+            raise InputError(
+                f"{source}: expected a mapping with keys name, nodes, network; got {kind}"
+            )
+        try:
+            parsed = ClusterFile.model_validate(document)
+        except ValidationError as exc:
+            raise InputError(format_validation_error(exc, source, ClusterFile)) from None
+        return _cluster_from_file(parsed)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> Cluster:
+        """Read and validate a cluster YAML file."""
+        return cls.from_dict(read_yaml_file(path, "cluster"), source=f"cluster file {path}")
+
+    @classmethod
+    def preset(cls, name: str) -> Cluster:
+        """A bundled cluster (`cluster_presets()` lists them)."""
+        presets = cluster_presets()
+        if name not in presets:
+            raise InputError(f"unknown cluster preset '{name}'; presets: {', '.join(presets)}")
+        return cls.from_yaml(presets[name])
+
+    @classmethod
+    def load(cls, path_or_preset: str) -> Cluster:
+        """A preset name or a path to a YAML file (what the CLI's `--cluster` takes)."""
+        if path_or_preset in cluster_presets():
+            return cls.preset(path_or_preset)
+        if Path(path_or_preset).suffix in {".yaml", ".yml"} or Path(path_or_preset).exists():
+            return cls.from_yaml(path_or_preset)
+        raise InputError(
+            f"--cluster '{path_or_preset}' is neither a YAML file nor a preset; "
+            f"presets: {', '.join(cluster_presets())}"
+        )
+
+
+def cluster_presets() -> dict[str, Path]:
+    """Bundled cluster files by preset name (the file stem)."""
+    folder = resources.files("hexiseq").joinpath("data", "clusters")
+    files = sorted(Path(str(folder)).glob("*.yaml"))
+    return {path.stem: path for path in files}
+
+
+def _cluster_from_file(parsed: ClusterFile) -> Cluster:
+    network = parsed.network or NetworkFile(inter_node_GBps=1.0)
+    nodes = tuple(
+        Node(
+            name=node.name,
+            gpu=node.gpu,
+            count=node.count,
+            intra_node_GBps=node.intra_node_GBps or gpu_spec(node.gpu).intra_node_GBps,
+            emulation_slowdown=node.emulation_slowdown,
+        )
+        for node in parsed.nodes
+    )
+    overrides = tuple((o.a, o.b, o.GBps) for o in network.overrides)
+    return Cluster(
+        parsed.name, nodes, network.inter_node_GBps, network.inter_node_latency_us, overrides
+    )
+
+
+def _node_to_dict(node: Node) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "name": node.name,
+        "gpu": node.gpu,
+        "count": node.count,
+        "intra_node_GBps": node.intra_node_GBps,
+    }
+    if node.emulation_slowdown != 1.0:
+        entry["emulation_slowdown"] = node.emulation_slowdown
+    return entry

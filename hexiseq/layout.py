@@ -1,0 +1,528 @@
+"""The CP–HP attention layout (DESIGN §3): who owns which tokens and which heads.
+
+Pure: stdlib and maths only. Builders return validated layouts; `AttentionLayout.validate()`
+raises `InputError` (a `ValueError`) with a one-line message naming what is broken.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from hexiseq.errors import InputError
+
+Range = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class AttentionLayout:
+    """Token and head ownership of every rank; see DESIGN §3 for the contract."""
+
+    seq_len: int
+    num_heads: int  # query heads
+    num_kv_heads: int  # divides num_heads (GQA ratio r = num_heads // num_kv_heads)
+    groups: tuple[tuple[int, ...], ...]  # HP groups in ring order; members are global ranks
+    token_ranges: tuple[tuple[Range, ...], ...]  # [rank] -> half-open token ranges it owns
+    head_ranges: tuple[Range, ...]  # [rank] -> half-open query-head range inside attention
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks (one token-range list per rank)."""
+        return len(self.token_ranges)
+
+    @property
+    def gqa_ratio(self) -> int:
+        """Query heads per KV head, r = num_heads // num_kv_heads."""
+        return self.num_heads // self.num_kv_heads
+
+    def group_of(self, rank: int) -> int:
+        """Ring position of the HP group holding `rank`; raises InputError for an unknown rank."""
+        for group_index, members in enumerate(self.groups):
+            if rank in members:
+                return group_index
+        raise InputError(f"layout: rank {rank} is in no group; ranks are 0..{self.world_size - 1}")
+
+    def segment(self, group_index: int) -> tuple[Range, ...]:
+        """Union of the group's members' token ranges, sorted, adjacent ranges merged."""
+        ranges = [r for rank in self.groups[group_index] for r in self.token_ranges[rank]]
+        return _merge_ranges(ranges)
+
+    def segment_length(self, group_index: int) -> int:
+        """Number of tokens in the group's segment."""
+        return _total_length(self.segment(group_index))
+
+    def num_tokens(self, rank: int) -> int:
+        """Number of tokens `rank` owns outside attention."""
+        return _total_length(self.token_ranges[rank])
+
+    def num_heads_of(self, rank: int) -> int:
+        """Number of query heads `rank` owns inside attention."""
+        start, end = self.head_ranges[rank]
+        return end - start
+
+    def kv_head_range(self, rank: int) -> Range:
+        """KV heads `rank` needs: [h0 // r, ceil(h1 / r)); boundary KV heads go to both owners."""
+        start, end = self.head_ranges[rank]
+        ratio = self.gqa_ratio
+        return (start // ratio, -(-end // ratio))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form (ints and nested lists)."""
+        return {
+            "seq_len": self.seq_len,
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "groups": [list(members) for members in self.groups],
+            "token_ranges": [[list(r) for r in ranges] for ranges in self.token_ranges],
+            "head_ranges": [list(r) for r in self.head_ranges],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> AttentionLayout:
+        """Inverse of `to_dict`; returns a validated layout, raises InputError on bad input."""
+        missing = [name for name in _FIELDS if name not in data]
+        if missing:
+            raise InputError(f"layout: missing field(s) {', '.join(missing)}")
+        try:
+            layout = cls(
+                seq_len=data["seq_len"],
+                num_heads=data["num_heads"],
+                num_kv_heads=data["num_kv_heads"],
+                groups=tuple(tuple(members) for members in data["groups"]),
+                token_ranges=tuple(
+                    tuple(_as_range(r) for r in ranges) for ranges in data["token_ranges"]
+                ),
+                head_ranges=tuple(_as_range(r) for r in data["head_ranges"]),
+            )
+        except TypeError as error:
+            raise InputError(f"layout: malformed field ({error})") from error
+        layout.validate()
+        return layout
+
+    def validate(self) -> None:
+        """Check every rule of DESIGN §3; raises InputError naming the first broken one."""
+        _check_sizes(self)
+        _check_groups(self.groups, self.world_size)
+        _check_token_ranges(self)
+        _check_head_ranges(self)
+
+
+_FIELDS = ("seq_len", "num_heads", "num_kv_heads", "groups", "token_ranges", "head_ranges")
+
+
+def _as_range(value: Sequence[int]) -> Range:
+    if len(value) != 2:
+        raise InputError(f"layout: range {list(value)} must be a pair [start, end)")
+    return (value[0], value[1])
+
+
+def _merge_ranges(ranges: Sequence[Range]) -> tuple[Range, ...]:
+    merged: list[Range] = []
+    for start, end in sorted(ranges):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(end, merged[-1][1]))
+        else:
+            merged.append((start, end))
+    return tuple(merged)
+
+
+def _total_length(ranges: Sequence[Range]) -> int:
+    return sum(end - start for start, end in ranges)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+
+def _check_sizes(layout: AttentionLayout) -> None:
+    for name in ("seq_len", "num_heads", "num_kv_heads"):
+        value = getattr(layout, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InputError(f"layout: {name}={value!r} is not allowed; need a positive integer")
+    if layout.num_heads % layout.num_kv_heads:
+        raise InputError(
+            f"layout: num_kv_heads={layout.num_kv_heads} does not divide "
+            f"num_heads={layout.num_heads}"
+        )
+    if layout.world_size == 0:
+        raise InputError("layout: token_ranges is empty; need one entry per rank")
+    if len(layout.head_ranges) != layout.world_size:
+        raise InputError(
+            f"layout: {len(layout.head_ranges)} head ranges for {layout.world_size} token-range "
+            "entries; need one of each per rank"
+        )
+
+
+def _check_groups(groups: Sequence[Sequence[int]], world_size: int) -> None:
+    if not groups:
+        raise InputError("layout: groups is empty; need at least one HP group")
+    seen: dict[int, int] = {}
+    for group_index, members in enumerate(groups):
+        if not members:
+            raise InputError(f"layout: group {group_index} is empty; every group needs a rank")
+        for rank in members:
+            if not isinstance(rank, int) or not 0 <= rank < world_size:
+                raise InputError(
+                    f"layout: group {group_index} has unknown rank {rank!r}; "
+                    f"ranks are 0..{world_size - 1}"
+                )
+            if rank in seen:
+                raise InputError(
+                    f"layout: rank {rank} appears in groups {seen[rank]} and {group_index}; "
+                    "each rank must be in exactly one group"
+                )
+            seen[rank] = group_index
+    for rank in range(world_size):
+        if rank not in seen:
+            raise InputError(f"layout: rank {rank} is in no group; every rank needs one")
+
+
+def _check_token_ranges(layout: AttentionLayout) -> None:
+    spans: list[tuple[int, int, int]] = []
+    for rank, ranges in enumerate(layout.token_ranges):
+        if not ranges:
+            raise InputError(f"layout: rank {rank} owns no tokens; every rank needs at least one")
+        for start, end in ranges:
+            if not 0 <= start < end <= layout.seq_len:
+                raise InputError(
+                    f"layout: rank {rank} token range ({start}, {end}) is not allowed; "
+                    f"need 0 <= start < end <= seq_len={layout.seq_len}"
+                )
+        starts = [start for start, _ in ranges]
+        if starts != sorted(set(starts)):
+            raise InputError(f"layout: rank {rank} token ranges {list(ranges)} are not sorted")
+        spans.extend((start, end, rank) for start, end in ranges)
+    problem = _first_partition_problem(spans, layout.seq_len, "tokens", "rank")
+    if problem:
+        raise InputError(
+            f"layout: {problem}; token ranges must partition [0, {layout.seq_len}) exactly"
+        )
+
+
+def _check_head_ranges(layout: AttentionLayout) -> None:
+    for rank, (start, end) in enumerate(layout.head_ranges):
+        if not 0 <= start < end <= layout.num_heads:
+            raise InputError(
+                f"layout: rank {rank} head range ({start}, {end}) is not allowed; "
+                f"need 0 <= start < end <= num_heads={layout.num_heads}"
+            )
+    for group_index, members in enumerate(layout.groups):
+        spans = [(*layout.head_ranges[rank], rank) for rank in members]
+        problem = _first_partition_problem(spans, layout.num_heads, "heads", "rank")
+        if problem:
+            raise InputError(
+                f"layout: group {group_index} {problem}; within a group head ranges must "
+                f"partition [0, {layout.num_heads}) exactly"
+            )
+
+
+def _first_partition_problem(
+    spans: Sequence[tuple[int, int, int]], end: int, what: str, owner: str
+) -> str | None:
+    """First gap or overlap when (start, end, owner) spans should partition [0, end)."""
+    cursor, last_owner = 0, None
+    for start, stop, who in sorted(spans):
+        if start > cursor:
+            return f"{what} [{cursor}, {start}) are owned by no {owner}"
+        if start < cursor:
+            return (
+                f"{what} [{start}, {min(stop, cursor)}) are owned by both {owner} {last_owner} "
+                f"and {owner} {who}"
+            )
+        cursor, last_owner = stop, who
+    if cursor < end:
+        return f"{what} [{cursor}, {end}) are owned by no {owner}"
+    return None
+
+
+# --- pure helpers -----------------------------------------------------------------------------
+
+
+def apportion(
+    total: int, weights: Sequence[float], quantum: int = 1, minimum: int = 0
+) -> list[int]:
+    """Split `total` into multiples of `quantum`, each >= `minimum`, proportional to `weights`.
+
+    Largest-remainder (Hamilton) method on units of `quantum`, computed exactly (fractions);
+    ties go to the lower index. Entries whose proportional quota falls below `minimum` are
+    raised to it and the rest is shared by the others in proportion. Raises InputError for
+    negative, non-finite or zero-sum weights, a total not a multiple of quantum, or a minimum
+    that is not a multiple of quantum or cannot be given to every entry.
+    """
+    _check_apportion_args(total, weights, quantum, minimum)
+    units, min_units = total // quantum, minimum // quantum
+    exact = [Fraction(w) for w in weights]
+    fixed = _clamp_to_minimum(units, exact, min_units)
+    free = [i for i in range(len(exact)) if i not in fixed]
+    remaining = units - min_units * len(fixed)
+    shares = dict.fromkeys(fixed, min_units)
+    shares.update(_largest_remainder(remaining, {i: exact[i] for i in free}))
+    return [shares[i] * quantum for i in range(len(exact))]
+
+
+def _check_apportion_args(
+    total: int, weights: Sequence[float], quantum: int, minimum: int
+) -> None:
+    if quantum <= 0:
+        raise InputError(f"apportion: quantum={quantum} is not allowed; need a positive integer")
+    if total < 0 or total % quantum:
+        raise InputError(f"apportion: total={total} is not a non-negative multiple of {quantum}")
+    if minimum < 0 or minimum % quantum:
+        raise InputError(
+            f"apportion: minimum={minimum} is not a non-negative multiple of {quantum}"
+        )
+    if not weights:
+        raise InputError("apportion: weights is empty; need at least one weight")
+    for index, weight in enumerate(weights):
+        if not math.isfinite(weight) or weight < 0:
+            raise InputError(f"apportion: weight {index} is {weight}; need finite and >= 0")
+    if sum(weights) <= 0:
+        raise InputError("apportion: weights sum to zero; need at least one positive weight")
+    if minimum * len(weights) > total:
+        raise InputError(
+            f"apportion: cannot give each of {len(weights)} entries minimum={minimum} "
+            f"out of total={total}"
+        )
+
+
+def _clamp_to_minimum(units: int, weights: list[Fraction], min_units: int) -> set[int]:
+    """Indices whose proportional quota of what is left stays below the minimum."""
+    fixed: set[int] = set()
+    while True:
+        free = [i for i in range(len(weights)) if i not in fixed]
+        remaining = units - min_units * len(fixed)
+        free_weight = sum(weights[i] for i in free)
+        low = {i for i in free if remaining * weights[i] < min_units * free_weight}
+        if not low:
+            return fixed
+        fixed |= low
+
+
+def _largest_remainder(units: int, weights: Mapping[int, Fraction]) -> dict[int, int]:
+    total_weight = sum(weights.values())
+    quotas = {i: units * w / total_weight for i, w in weights.items()}
+    shares = {i: math.floor(q) for i, q in quotas.items()}
+    leftover = units - sum(shares.values())
+    by_remainder = sorted(quotas, key=lambda i: (-(quotas[i] - shares[i]), i))
+    for i in by_remainder[:leftover]:
+        shares[i] += 1
+    return shares
+
+
+def causal_pair_count(query_ranges: Sequence[Range], key_ranges: Sequence[Range]) -> int:
+    """Exact number of (q, k) pairs with q in query_ranges, k in key_ranges and k <= q.
+
+    Closed form per pair of half-open intervals, O(len(query_ranges) * len(key_ranges)); the
+    ranges inside each list are assumed disjoint (overlaps are counted twice).
+    """
+    return sum(
+        _causal_pairs_below(q_end, k_start, k_end) - _causal_pairs_below(q_start, k_start, k_end)
+        for q_start, q_end in query_ranges
+        for k_start, k_end in key_ranges
+        if q_start < q_end and k_start < k_end
+    )
+
+
+def _causal_pairs_below(query_end: int, key_start: int, key_end: int) -> int:
+    """Pairs (q, k) with 0 <= q < query_end, key_start <= k < key_end and k <= q."""
+    # Query q sees min(q + 1, key_end) - key_start keys once q >= key_start: a triangle while
+    # q < key_end, then a full row of key_end - key_start keys per query.
+    triangle = max(0, min(query_end, key_end) - key_start)
+    full_rows = max(0, query_end - key_end)
+    return triangle * (triangle + 1) // 2 + full_rows * (key_end - key_start)
+
+
+def full_pair_count(query_ranges: Sequence[Range], key_ranges: Sequence[Range]) -> int:
+    """Number of all (q, k) pairs, q in query_ranges and k in key_ranges (no causal mask)."""
+    return _total_length(query_ranges) * _total_length(key_ranges)
+
+
+# --- builders ---------------------------------------------------------------------------------
+
+
+def zigzag_segment_lengths(
+    seq_len: int, weights: Sequence[float], chunk_quantum: int = 1
+) -> list[int]:
+    """Segment length per group, proportional to weights, each a multiple of 2*chunk_quantum.
+
+    Every segment gets at least 2*chunk_quantum tokens. Raises InputError when seq_len is not a
+    multiple of 2*chunk_quantum or is too short for one such piece per group.
+    """
+    return apportion(seq_len, weights, quantum=2 * chunk_quantum, minimum=2 * chunk_quantum)
+
+
+def build_zigzag_layout(
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    groups: Sequence[Sequence[int]],
+    segment_lengths: Sequence[int],
+    token_weights: Sequence[Sequence[float]],
+    head_counts: Sequence[Sequence[int]],
+    *,
+    chunk_quantum: int = 1,
+) -> AttentionLayout:
+    """Generalized zigzag layout (DESIGN §3), validated.
+
+    The sequence is cut into 2G chunks: group g owns front chunk g and back chunk 2G-1-g, each
+    segment_lengths[g] / 2 tokens, so its causal work is s_g * (S + 1) / 2 pairs. Inside group g,
+    member i gets a contiguous piece of each chunk apportioned by token_weights[g] in multiples
+    of chunk_quantum, and head_counts[g][i] consecutive query heads. Every rank owns exactly two
+    ranges (front piece, back piece), kept apart even where they touch (middle of the sequence) so
+    the zigzag chunk structure stays visible. Ranks in `groups` are global ranks 0..N-1 in any
+    order. Raises InputError naming the group for any inconsistent input.
+    """
+    _check_zigzag_args(seq_len, num_heads, groups, segment_lengths, token_weights, head_counts)
+    _check_segment_lengths(seq_len, segment_lengths, chunk_quantum)
+    world_size = sum(len(members) for members in groups)
+    _check_groups(groups, world_size)
+    token_ranges: list[list[Range]] = [[] for _ in range(world_size)]
+    head_ranges: list[Range] = [(0, 0)] * world_size
+    front_start, back_end = 0, seq_len
+    for g, members in enumerate(groups):
+        chunk = segment_lengths[g] // 2
+        pieces = _chunk_pieces(g, chunk, len(members), token_weights[g], chunk_quantum)
+        for rank, front, back in zip(
+            members, _lay_out(front_start, pieces), _lay_out(back_end - chunk, pieces), strict=True
+        ):
+            token_ranges[rank] += [front, back]
+        for rank, heads in zip(members, _lay_out(0, head_counts[g]), strict=True):
+            head_ranges[rank] = heads
+        front_start, back_end = front_start + chunk, back_end - chunk
+    return _finish(seq_len, num_heads, num_kv_heads, groups, token_ranges, head_ranges)
+
+
+def _check_zigzag_args(
+    seq_len: int,
+    num_heads: int,
+    groups: Sequence[Sequence[int]],
+    segment_lengths: Sequence[int],
+    token_weights: Sequence[Sequence[float]],
+    head_counts: Sequence[Sequence[int]],
+) -> None:
+    if not len(groups) == len(segment_lengths) == len(token_weights) == len(head_counts):
+        raise InputError(
+            f"build_zigzag_layout: {len(groups)} groups but {len(segment_lengths)} segment "
+            f"lengths, {len(token_weights)} token weight lists and {len(head_counts)} head "
+            "count lists; need one of each per group"
+        )
+    for g, members in enumerate(groups):
+        if not len(members) == len(token_weights[g]) == len(head_counts[g]):
+            raise InputError(
+                f"build_zigzag_layout: group {g} has {len(members)} members but "
+                f"{len(token_weights[g])} token weights and {len(head_counts[g])} head counts"
+            )
+        if sum(head_counts[g]) != num_heads or min(head_counts[g], default=1) < 1:
+            raise InputError(
+                f"build_zigzag_layout: group {g} head counts {list(head_counts[g])} are not "
+                f"allowed; need each >= 1 and sum = num_heads={num_heads}"
+            )
+
+
+def _check_segment_lengths(seq_len: int, segment_lengths: Sequence[int], quantum: int) -> None:
+    if quantum <= 0:
+        raise InputError(f"build_zigzag_layout: chunk_quantum={quantum}; need a positive integer")
+    for g, length in enumerate(segment_lengths):
+        if length <= 0 or length % (2 * quantum):
+            raise InputError(
+                f"build_zigzag_layout: group {g} segment length {length} is not allowed; need "
+                f"a positive multiple of 2*chunk_quantum={2 * quantum}"
+            )
+    if sum(segment_lengths) != seq_len:
+        raise InputError(
+            f"build_zigzag_layout: segment lengths sum to {sum(segment_lengths)}; "
+            f"need seq_len={seq_len}"
+        )
+
+
+def _chunk_pieces(
+    group_index: int, chunk: int, num_members: int, weights: Sequence[float], quantum: int
+) -> list[int]:
+    """Each member's piece of one zigzag chunk; every member gets at least one quantum."""
+    if chunk < num_members * quantum:
+        raise InputError(
+            f"build_zigzag_layout: group {group_index} chunks of {chunk} tokens cannot give "
+            f"each of its {num_members} members chunk_quantum={quantum} tokens"
+        )
+    return apportion(chunk, weights, quantum=quantum, minimum=quantum)
+
+
+def _lay_out(start: int, lengths: Sequence[int]) -> list[Range]:
+    """Consecutive half-open ranges of the given lengths from `start`."""
+    ranges = []
+    for length in lengths:
+        ranges.append((start, start + length))
+        start += length
+    return ranges
+
+
+def _finish(
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    groups: Sequence[Sequence[int]],
+    token_ranges: Sequence[Sequence[Range]],
+    head_ranges: Sequence[Range],
+) -> AttentionLayout:
+    layout = AttentionLayout(
+        seq_len=seq_len,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        groups=tuple(tuple(members) for members in groups),
+        token_ranges=tuple(tuple(ranges) for ranges in token_ranges),
+        head_ranges=tuple(head_ranges),
+    )
+    layout.validate()
+    return layout
+
+
+def build_uniform_layout(
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    group_sizes: Sequence[int],
+    *,
+    zigzag: bool = True,
+) -> AttentionLayout:
+    """Equal segments, equal token shares and near-equal head counts, validated.
+
+    Ranks are numbered consecutively group by group. With zigzag=True the segments follow the
+    generalized zigzag (standard zigzag ring attention when segments are equal; seq_len must be
+    even); otherwise the sequence is cut contiguously in ring order. Heads are apportioned as
+    evenly as possible (52 heads over 8 ranks -> 7,7,7,7,6,6,6,6).
+    """
+    if not group_sizes or min(group_sizes) < 1:
+        raise InputError(f"build_uniform_layout: group sizes {list(group_sizes)}; need each >= 1")
+    groups, next_rank = [], 0
+    for size in group_sizes:
+        groups.append(list(range(next_rank, next_rank + size)))
+        next_rank += size
+    head_counts = [apportion(num_heads, [1] * size, minimum=1) for size in group_sizes]
+    if zigzag:
+        segments = zigzag_segment_lengths(seq_len, [1] * len(groups))
+        weights = [[1] * size for size in group_sizes]
+        return build_zigzag_layout(
+            seq_len, num_heads, num_kv_heads, groups, segments, weights, head_counts
+        )
+    return _build_contiguous_layout(seq_len, num_heads, num_kv_heads, groups, head_counts)
+
+
+def _build_contiguous_layout(
+    seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    groups: Sequence[Sequence[int]],
+    head_counts: Sequence[Sequence[int]],
+) -> AttentionLayout:
+    segments = apportion(seq_len, [1] * len(groups), minimum=1)
+    token_ranges: list[list[Range]] = []
+    head_ranges: list[Range] = []
+    for members, (start, end), counts in zip(
+        groups, _lay_out(0, segments), head_counts, strict=True
+    ):
+        shares = apportion(end - start, [1] * len(members), minimum=1)
+        token_ranges += [[piece] for piece in _lay_out(start, shares)]
+        head_ranges += _lay_out(0, counts)
+    return _finish(seq_len, num_heads, num_kv_heads, groups, token_ranges, head_ranges)

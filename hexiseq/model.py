@@ -1,0 +1,125 @@
+"""Model and training specs: transformer shapes (Llama family) and the training knobs."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import Any
+
+from hexiseq._yaml import read_packaged_yaml
+from hexiseq.errors import InputError
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU); contract fields of DESIGN.md §2."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    vocab: int
+    tied_embeddings: bool = False
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in (
+            "layers",
+            "hidden",
+            "heads",
+            "kv_heads",
+            "head_dim",
+            "ffn_hidden",
+            "vocab",
+        ):
+            if getattr(self, field_name) <= 0:
+                raise InputError(f"model {self.name}: {field_name} must be positive")
+        if self.heads % self.kv_heads:
+            raise InputError(
+                f"model {self.name}: kv_heads ({self.kv_heads}) must divide heads ({self.heads})"
+            )
+
+    @property
+    def gqa_ratio(self) -> int:
+        return self.heads // self.kv_heads
+
+    @property
+    def params_per_layer(self) -> int:
+        """Weights of one block: q, k, v, o projections, SwiGLU's three matrices, two norms."""
+        attention = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.ffn_hidden
+        return attention + mlp + 2 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        """The input embedding table (a lookup, no FLOPs)."""
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """The LM head matrix (shared with the embedding when tied) plus the final norm."""
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.hidden
+
+    @property
+    def params(self) -> int:
+        """Total parameter count."""
+        return self.layers * self.params_per_layer + self.embedding_params + self.head_params
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> ModelSpec:
+        return cls(**document)
+
+    @classmethod
+    def preset(cls, name: str) -> ModelSpec:
+        """A bundled model (`model_presets()` lists them)."""
+        presets = model_presets()
+        if name not in presets:
+            raise InputError(f"unknown model preset '{name}'; presets: {', '.join(presets)}")
+        return presets[name]
+
+
+@cache
+def model_presets() -> dict[str, ModelSpec]:
+    """All models of `hexiseq/data/models.yaml`, by name."""
+    raw = read_packaged_yaml("models.yaml")["models"]
+    return {name: ModelSpec(name=name, **entry) for name, entry in raw.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSpec:
+    """What one training step processes and how.
+
+    `seq_len` tokens form one sequence spread over the whole CP-HP domain; `micro_batches`
+    sequences are processed one after another per step (gradient accumulation).
+    `activation_checkpointing` keeps only each layer's input and recomputes the layer in the
+    backward pass. Parameters are BF16 in compute, optimizer states FP32 (Adam).
+    """
+
+    seq_len: int
+    micro_batches: int = 1
+    activation_checkpointing: bool = True
+    bytes_per_param_state: int = 16  # ZeRO paper (Rajbhandari et al. 2020) mixed-precision Adam
+    compute_dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise InputError(f"seq_len must be at least 2 tokens (got {self.seq_len})")
+        if self.micro_batches < 1:
+            raise InputError(f"micro_batches must be at least 1 (got {self.micro_batches})")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batches
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> TrainSpec:
+        return cls(**document)

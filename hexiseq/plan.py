@@ -1,0 +1,219 @@
+"""Plans: a cluster, a model, a training spec, a CP-HP layout and what it is predicted to do.
+
+`Plan.to_json(path)` / `Plan.from_json(path)` round-trip exactly (DESIGN.md §4); the document
+carries a `schema_version`. An infeasible candidate (a baseline that runs out of memory, or one
+the homogeneous systems cannot express) is an `InfeasiblePlan` with the reason and the bytes
+each rank is missing.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hexiseq.cluster import Cluster
+from hexiseq.errors import InputError
+from hexiseq.layout import AttentionLayout
+from hexiseq.model import ModelSpec, TrainSpec
+
+PLAN_SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class RankAssignment:
+    """What one rank does: its GPU, HP group (ring position), heads, tokens and state share."""
+
+    rank: int
+    gpu: str
+    node: str
+    group: int
+    head_range: tuple[int, int]
+    tokens: int
+    state_fraction: float
+
+    @property
+    def heads(self) -> int:
+        return self.head_range[1] - self.head_range[0]
+
+
+@dataclass(frozen=True, slots=True)
+class RankPrediction:
+    """One rank's predicted time breakdown (s) and peak memory (bytes) by term."""
+
+    linear_s: float
+    attention_s: float
+    all_to_all_s: float
+    ring_exposed_comm_s: float
+    sharding_exposed_comm_s: float
+    idle_s: float
+    memory_bytes: int
+    memory_capacity_bytes: int
+    memory_terms: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def busy_s(self) -> float:
+        """Time spent computing and communicating (everything but waiting on peers)."""
+        return self.step_s - self.idle_s
+
+    @property
+    def step_s(self) -> float:
+        return (
+            self.linear_s
+            + self.attention_s
+            + self.all_to_all_s
+            + self.ring_exposed_comm_s
+            + self.sharding_exposed_comm_s
+            + self.idle_s
+        )
+
+    @property
+    def memory_fraction(self) -> float:
+        return self.memory_bytes / self.memory_capacity_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What the simulator predicts for a plan, and which cost model it used per GPU type."""
+
+    step_time_s: float
+    tokens_per_s: float
+    ranks: tuple[RankPrediction, ...]
+    cost_model: dict[str, str]
+
+    @property
+    def max_memory_fraction(self) -> float:
+        return max(rank.memory_fraction for rank in self.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete, executable plan (contract, DESIGN.md §4)."""
+
+    name: str
+    cluster: Cluster
+    model: ModelSpec
+    train: TrainSpec
+    attention_layout: AttentionLayout
+    assignments: tuple[RankAssignment, ...]
+    knobs: dict[str, Any]
+    predicted: Prediction
+
+    def layout(self) -> AttentionLayout:
+        """The CP-HP layout this plan runs."""
+        return self.attention_layout
+
+    @property
+    def cost_model_summary(self) -> str:
+        """One label when every GPU type uses the same kind of model, else per type."""
+        labels = set(self.predicted.cost_model.values())
+        if len(labels) == 1:
+            return labels.pop()
+        return "; ".join(f"{gpu}: {label}" for gpu, label in self.predicted.cost_model.items())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema_version": PLAN_SCHEMA_VERSION,
+            "name": self.name,
+            "cluster": self.cluster.to_dict(),
+            "model": self.model.to_dict(),
+            "train": self.train.to_dict(),
+            "layout": self.attention_layout.to_dict(),
+            "assignments": [asdict(a) for a in self.assignments],
+            "knobs": self.knobs,
+            "predicted": _prediction_to_dict(self.predicted),
+        }
+
+    def to_json_text(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def to_json(self, path: str | Path) -> None:
+        """Write the plan as JSON (floats written exactly: `from_json` gives an equal plan)."""
+        Path(path).write_text(self.to_json_text() + "\n", encoding="utf-8")
+
+    @classmethod
+    def from_dict(cls, document: Any, source: str = "plan") -> Plan:
+        """Rebuild a plan; `InputError` naming what is missing or wrong otherwise."""
+        if not isinstance(document, dict):
+            raise InputError(f"{source}: not a hexiseq plan (expected a JSON object)")
+        version = document.get("schema_version")
+        if version != PLAN_SCHEMA_VERSION:
+            raise InputError(
+                f"{source}: schema_version {version!r} is not supported; this hexiseq reads "
+                f"version {PLAN_SCHEMA_VERSION}"
+            )
+        try:
+            return _plan_from_dict(document, source)
+        except KeyError as exc:
+            raise InputError(f"{source}: not a hexiseq plan: missing field {exc}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"{source}: not a valid hexiseq plan: {exc}") from None
+
+    @classmethod
+    def from_json_text(cls, text: str, source: str = "plan") -> Plan:
+        try:
+            document = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{source}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        return cls.from_dict(document, source)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Plan:
+        """Read a plan written by `to_json`."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise InputError(f"plan file {path}: cannot be read ({exc.strerror or exc})") from None
+        return cls.from_json_text(text, source=f"plan file {path}")
+
+
+@dataclass(frozen=True)
+class InfeasiblePlan:
+    """A candidate that cannot run: why, and how many bytes each rank lacks (0 if not memory)."""
+
+    name: str
+    reason: str
+    missing_bytes: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def total_missing_bytes(self) -> int:
+        return sum(self.missing_bytes.values())
+
+
+def _plan_from_dict(document: dict[str, Any], source: str) -> Plan:
+    cluster = Cluster.from_dict(document["cluster"], source=f"{source}: cluster")
+    assignments = tuple(
+        RankAssignment(**{**a, "head_range": tuple(a["head_range"])})
+        for a in document["assignments"]
+    )
+    return Plan(
+        name=document["name"],
+        cluster=cluster,
+        model=ModelSpec.from_dict(document["model"]),
+        train=TrainSpec.from_dict(document["train"]),
+        attention_layout=AttentionLayout.from_dict(document["layout"]),
+        assignments=assignments,
+        knobs=dict(document["knobs"]),
+        predicted=_prediction_from_dict(document["predicted"]),
+    )
+
+
+def _prediction_to_dict(prediction: Prediction) -> dict[str, Any]:
+    return {
+        "step_time_s": prediction.step_time_s,
+        "tokens_per_s": prediction.tokens_per_s,
+        "cost_model": prediction.cost_model,
+        "ranks": [asdict(rank) for rank in prediction.ranks],
+    }
+
+
+def _prediction_from_dict(document: dict[str, Any]) -> Prediction:
+    return Prediction(
+        step_time_s=float(document["step_time_s"]),
+        tokens_per_s=float(document["tokens_per_s"]),
+        ranks=tuple(RankPrediction(**rank) for rank in document["ranks"]),
+        cost_model=dict(document["cost_model"]),
+    )

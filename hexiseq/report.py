@@ -1,0 +1,95 @@
+"""Plain-text tables of a plan and of a search result (pure: strings in, strings out)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hexiseq.catalog import GiB
+from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.units import format_tokens
+
+
+def format_table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
+    """Columns padded to their widest cell; columns in `right` are right-aligned."""
+    widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows)]
+
+    def line(cells: list[str]) -> str:
+        parts = [
+            str(c).rjust(w) if i in right else str(c).ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths))
+        ]
+        return "  ".join(parts).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def format_plan(plan: Plan) -> str:
+    """Header line and one row per device: GPU, group, heads, tokens, time and memory."""
+    header = (
+        f"{plan.name}: {plan.model.name} on {plan.cluster.name} ({plan.cluster.world_size} "
+        f"devices), {format_tokens(plan.train.seq_len)} tokens, "
+        f"{plan.predicted.tokens_per_s:,.1f} tokens/s, step {plan.predicted.step_time_s:,.2f} s "
+        f"[{plan.cost_model_summary}]"
+    )
+    rows = [_device_row(a, r) for a, r in zip(plan.assignments, plan.predicted.ranks)]
+    headers = [
+        "rank",
+        "node",
+        "GPU",
+        "group",
+        "heads",
+        "tokens",
+        "compute s",
+        "comm s",
+        "idle s",
+        "memory GiB used/cap",
+        "used",
+    ]
+    return header + "\n" + format_table(headers, rows, right={0, 3, 5, 6, 7, 8, 9, 10})
+
+
+def _device_row(assignment: Any, rank: Any) -> list[str]:
+    low, high = assignment.head_range
+    compute = rank.linear_s + rank.attention_s
+    comm = rank.all_to_all_s + rank.ring_exposed_comm_s + rank.sharding_exposed_comm_s
+    return [
+        str(assignment.rank),
+        assignment.node,
+        assignment.gpu,
+        str(assignment.group),
+        f"{high - low} [{low},{high})",
+        f"{assignment.tokens:,}",
+        f"{compute:,.2f}",
+        f"{comm:,.2f}",
+        f"{rank.idle_s:,.2f}",
+        f"{rank.memory_bytes / GiB:.1f} / {rank.memory_capacity_bytes / GiB:.1f}",
+        f"{100 * rank.memory_fraction:.1f}%",
+    ]
+
+
+def format_baselines(best: Plan, baselines: dict[str, Plan | InfeasiblePlan]) -> str:
+    """The plan against each baseline: tokens/s and the plan's speedup, or why it cannot run."""
+    rows = [[best.name, f"{best.predicted.tokens_per_s:,.1f}", "1.00x", _memory_cell(best)]]
+    for name, other in baselines.items():
+        if isinstance(other, InfeasiblePlan):
+            rows.append([name, "-", "-", f"infeasible: {other.reason}"])
+            continue
+        ratio = best.predicted.tokens_per_s / other.predicted.tokens_per_s
+        label = other.name if other.name == name else f"{name}: {other.name}"
+        rows.append(
+            [label, f"{other.predicted.tokens_per_s:,.1f}", f"{ratio:.2f}x", _memory_cell(other)]
+        )
+    return format_table(["plan", "tokens/s", "hexiseq speedup", "peak memory"], rows, right={1, 2})
+
+
+def _memory_cell(plan: Plan) -> str:
+    return f"max {100 * plan.predicted.max_memory_fraction:.1f}% of a device"
+
+
+def format_search_result(result: Any) -> str:
+    """The best plan's device table followed by the comparison with the baselines."""
+    return (
+        format_plan(result.best)
+        + "\n\nplan vs baselines (same simulator, same cost model):\n"
+        + format_baselines(result.best, result.baselines)
+    )

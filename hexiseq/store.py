@@ -1,0 +1,412 @@
+"""The one persistent store of hexiseq: plans now; later profile runs, fitted models, runtime runs.
+
+One SQLAlchemy URL names it: `sqlite:///PATH` (embedded, the default `sqlite:///hexiseq.db`) or
+`postgresql://USER@HOST/DB`; both behave the same because only portable ORM constructs are used.
+Every write runs in a transaction (`Session.begin()`), so a crash or Ctrl-C loses only the write in
+flight, never what was committed before it. `Store.transaction()` groups several writes into one.
+
+Adding a table is adding a mapped subclass of `StoreBase`: `Store.open` creates missing tables on
+existing stores. Changing or dropping a column of an existing table needs `SCHEMA_VERSION` raised
+and a migration, because `create_all` never alters a table that is already there.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from types import TracebackType
+
+from sqlalchemy import DateTime, Engine, Float, String, Text, create_engine, func, select
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+from hexiseq.errors import InputError
+
+DEFAULT_STORE_URL = "sqlite:///hexiseq.db"
+SCHEMA_VERSION = 1
+"""Version of the table layout this code writes; a store with a higher one is refused."""
+
+_SUPPORTED_BACKENDS = ("sqlite", "postgresql")
+_ALLOWED_URLS = (
+    "allowed: sqlite:///PATH, sqlite:// (in memory), "
+    "postgresql://USER:PASSWORD@HOST/DB (needs the psycopg driver: pip install 'psycopg[binary]')"
+)
+_IDS_SHOWN_IN_ERRORS = 5
+
+
+class StoreBase(DeclarativeBase):
+    """Declarative base of every table in the store."""
+
+
+class StoreMetaRow(StoreBase):
+    """Key/value facts about the store itself, e.g. `schema_version`."""
+
+    __tablename__ = "store_meta"
+
+    key: Mapped[str] = mapped_column(String, primary_key=True)
+    value: Mapped[str] = mapped_column(String)
+
+
+def _utc_now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class PlanRow(StoreBase):
+    """One saved plan: summary columns to list and filter by, plus the full plan JSON document."""
+
+    __tablename__ = "plans"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=_utc_now)
+    label: Mapped[str] = mapped_column(String)
+    cluster_name: Mapped[str] = mapped_column(String)
+    model_name: Mapped[str] = mapped_column(String)
+    seq_len: Mapped[int]
+    tokens_per_s: Mapped[float | None] = mapped_column(Float)
+    step_time_s: Mapped[float | None] = mapped_column(Float)
+    cost_model: Mapped[str] = mapped_column(String)
+    plan_json: Mapped[str] = mapped_column(Text)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanRecord:
+    """Summary of a saved plan (everything but the JSON document)."""
+
+    id: int
+    created_at: datetime
+    """When the plan was saved, timezone-aware UTC."""
+    label: str
+    """"best" for the searched plan, or the name of a baseline planner."""
+    cluster_name: str
+    model_name: str
+    seq_len: int
+    """Tokens per training sequence."""
+    tokens_per_s: float | None
+    """Predicted (or measured) throughput; None when unknown."""
+    step_time_s: float | None
+    """Predicted (or measured) time of one training step; None when unknown."""
+    cost_model: str
+    """What produced the numbers, e.g. "datasheet estimate" or a fitted model's name."""
+
+    @classmethod
+    def from_row(cls, row: PlanRow) -> PlanRecord:
+        """Copy the summary columns out of an ORM row; naive timestamps are read as UTC."""
+        created_at = row.created_at
+        # SQLite keeps no offset, so what comes back is the UTC wall time without tzinfo.
+        if created_at.tzinfo is None:
+            created_at = created_at.replace(tzinfo=timezone.utc)
+        return cls(
+            id=row.id,
+            created_at=created_at.astimezone(timezone.utc),
+            label=row.label,
+            cluster_name=row.cluster_name,
+            model_name=row.model_name,
+            seq_len=row.seq_len,
+            tokens_per_s=row.tokens_per_s,
+            step_time_s=row.step_time_s,
+            cost_model=row.cost_model,
+        )
+
+
+class Store:
+    """A hexiseq store behind one SQLAlchemy URL. Build it with `Store.open(url)`.
+
+    Usable as a context manager (`with Store.open(url) as store: ...`), which closes it on exit.
+    """
+
+    def __init__(self, engine: Engine, display_url: str) -> None:
+        """Wrap an engine whose schema is already checked; call `Store.open` instead."""
+        self._engine = engine
+        self._display_url = display_url
+        self._session_factory = sessionmaker(engine, expire_on_commit=False)
+        # The session of the `transaction()` block open in this thread, if any.
+        self._open_transaction = threading.local()
+
+    @classmethod
+    def open(cls, url: str | None = None) -> Store:
+        """Open the store at `url` (default `DEFAULT_STORE_URL`), creating missing tables.
+
+        For a SQLite file the parent directory is created if missing.
+        Raises InputError (one line naming the URL and what is allowed) when the URL cannot be
+        parsed, names an unsupported dialect or a driver that is not installed, cannot be opened,
+        is not a hexiseq store, or holds a schema_version newer than this code knows.
+        """
+        parsed_url = _parse_store_url(DEFAULT_STORE_URL if url is None else url)
+        display_url = parsed_url.render_as_string(hide_password=True)
+        engine = _create_store_engine(parsed_url, display_url)
+        try:
+            _prepare_schema(engine, display_url)
+        except BaseException:
+            engine.dispose()
+            raise
+        return cls(engine, display_url)
+
+    @property
+    def url(self) -> str:
+        """The store's URL as text, with any password masked as `***`."""
+        return self._display_url
+
+    def close(self) -> None:
+        """Release the store's database connections; the Store must not be used afterwards."""
+        self._engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Store({self._display_url!r})"
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """Make every write inside the block (in this thread) one transaction: all or nothing.
+
+        Commits when the block ends normally; rolls back if it raises. Nested blocks join the
+        outermost one.
+        """
+        if getattr(self._open_transaction, "session", None) is not None:
+            yield
+            return
+        with self._session_factory.begin() as session:
+            self._open_transaction.session = session
+            try:
+                yield
+            finally:
+                self._open_transaction.session = None
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        """A session inside a transaction: the open `transaction()` one, else a fresh one."""
+        open_session = getattr(self._open_transaction, "session", None)
+        if open_session is not None:
+            yield open_session
+            return
+        with self._session_factory.begin() as session:
+            yield session
+
+    def save_plan(
+        self,
+        plan_json: str,
+        *,
+        label: str,
+        cluster_name: str,
+        model_name: str,
+        seq_len: int,
+        tokens_per_s: float | None,
+        step_time_s: float | None,
+        cost_model: str,
+    ) -> int:
+        """Save one plan (its full JSON document plus summary columns) and return its new id.
+
+        Raises InputError if `plan_json` is not a JSON document, a name is empty, `seq_len` is not
+        a positive integer, or a metric is negative, NaN or infinite.
+        """
+        _check_plan_fields(plan_json, label, cluster_name, model_name, seq_len, cost_model)
+        _check_optional_metric("tokens_per_s", tokens_per_s)
+        _check_optional_metric("step_time_s", step_time_s)
+        row = PlanRow(
+            label=label,
+            cluster_name=cluster_name,
+            model_name=model_name,
+            seq_len=seq_len,
+            tokens_per_s=None if tokens_per_s is None else float(tokens_per_s),
+            step_time_s=None if step_time_s is None else float(step_time_s),
+            cost_model=cost_model,
+            plan_json=plan_json,
+        )
+        with self._session() as session:
+            session.add(row)
+            session.flush()  # assigns the id
+            return row.id
+
+    def list_plans(self, limit: int | None = None) -> list[PlanRecord]:
+        """Summaries of saved plans, newest first; at most `limit` of them when given.
+
+        Raises InputError if `limit` is negative.
+        """
+        if limit is not None and (isinstance(limit, bool) or limit < 0):
+            raise InputError(f"limit must be None or an integer >= 0, got {limit!r}")
+        query = select(PlanRow).order_by(PlanRow.created_at.desc(), PlanRow.id.desc()).limit(limit)
+        with self._session() as session:
+            return [PlanRecord.from_row(row) for row in session.scalars(query)]
+
+    def get_plan_json(self, plan_id: int) -> str:
+        """The full JSON document of plan `plan_id`.
+
+        Raises InputError naming some of the ids present if there is no such plan.
+        """
+        with self._session() as session:
+            plan_json = session.scalar(select(PlanRow.plan_json).where(PlanRow.id == plan_id))
+            if plan_json is not None:
+                return plan_json
+            raise InputError(
+                f"store {self._display_url} has no plan with id {plan_id} "
+                f"(ids present: {_describe_plan_ids(session)})"
+            )
+
+
+def _describe_plan_ids(session: Session) -> str:
+    """The newest few plan ids, e.g. "9, 8, 7, 6, 5 and 4 more", or "none"."""
+    newest_ids = session.scalars(
+        select(PlanRow.id).order_by(PlanRow.id.desc()).limit(_IDS_SHOWN_IN_ERRORS)
+    ).all()
+    if not newest_ids:
+        return "none"
+    total = session.scalar(select(func.count()).select_from(PlanRow)) or 0
+    shown = ", ".join(str(plan_id) for plan_id in newest_ids)
+    hidden = total - len(newest_ids)
+    return f"{shown} and {hidden} more" if hidden > 0 else shown
+
+
+def _check_plan_fields(
+    plan_json: str,
+    label: str,
+    cluster_name: str,
+    model_name: str,
+    seq_len: int,
+    cost_model: str,
+) -> None:
+    """Raise InputError unless the plan's JSON and summary fields can be stored as they are."""
+    if not isinstance(plan_json, str):
+        raise InputError(f"plan_json must be a JSON string, got {type(plan_json).__name__}")
+    try:
+        json.loads(plan_json)
+    except json.JSONDecodeError as error:
+        raise InputError(f"plan_json is not valid JSON: {error}") from None
+    named = {"label": label, "cluster_name": cluster_name, "model_name": model_name}
+    for field_name, value in {**named, "cost_model": cost_model}.items():
+        if not isinstance(value, str) or not value.strip():
+            raise InputError(f"{field_name} must be a non-empty string, got {value!r}")
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len <= 0:
+        raise InputError(f"seq_len must be a positive integer, got {seq_len!r}")
+
+
+def _check_optional_metric(field_name: str, value: float | None) -> None:
+    """Raise InputError unless `value` is None or a finite number >= 0.
+
+    NaN is refused rather than stored because SQLite would silently turn it into NULL.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InputError(f"{field_name} must be a number or None, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise InputError(f"{field_name} must be finite and >= 0, got {value!r}")
+
+
+def _one_line(error: BaseException) -> str:
+    """The first line of an error's message, without SQLAlchemy's "(Background on ...)" tail."""
+    original = getattr(error, "orig", None) or error
+    text = str(original).strip().splitlines()
+    return text[0] if text else type(original).__name__
+
+
+def _parse_store_url(url: str) -> URL:
+    """Parse `url`; raise InputError unless it is a SQLite or PostgreSQL SQLAlchemy URL."""
+    try:
+        parsed_url = make_url(url)
+    except (ArgumentError, TypeError, ValueError):
+        raise InputError(f"store URL {url!r} cannot be parsed; {_ALLOWED_URLS}") from None
+    backend = parsed_url.get_backend_name()
+    if backend not in _SUPPORTED_BACKENDS:
+        shown = parsed_url.render_as_string(hide_password=True)
+        raise InputError(
+            f"store URL {shown!r} uses unsupported dialect {backend!r}; {_ALLOWED_URLS}"
+        )
+    return parsed_url
+
+
+def _create_store_engine(parsed_url: URL, display_url: str) -> Engine:
+    """Create the engine (no connection yet); raise InputError if the driver is missing."""
+    if parsed_url.get_backend_name() == "sqlite":
+        _make_sqlite_parent_directory(parsed_url, display_url)
+    try:
+        return create_engine(parsed_url)
+    except ImportError as error:
+        raise InputError(
+            f"store URL {display_url!r} needs database driver {error.name!r}, which is not "
+            f"installed; {_ALLOWED_URLS}"
+        ) from None
+    except (SQLAlchemyError, TypeError, ValueError) as error:
+        raise InputError(f"store URL {display_url!r} is not usable: {_one_line(error)}") from None
+
+
+def _make_sqlite_parent_directory(parsed_url: URL, display_url: str) -> None:
+    """Create the directory that will hold a SQLite database file, if it is missing."""
+    database = parsed_url.database
+    is_uri = str(parsed_url.query.get("uri", "")).lower() in ("true", "1")
+    if not database or database == ":memory:" or is_uri:
+        return
+    parent = Path(database).expanduser().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(
+            f"store {display_url} cannot be opened: cannot create directory {str(parent)!r}: "
+            f"{error.strerror or error}"
+        ) from None
+
+
+def _prepare_schema(engine: Engine, display_url: str) -> None:
+    """Check the store's schema_version and create missing tables, in one transaction.
+
+    Raises InputError if the database cannot be reached, is not a hexiseq store, or is newer.
+    """
+    try:
+        engine.connect().close()
+    except SQLAlchemyError as error:
+        raise InputError(f"store {display_url} cannot be opened: {_one_line(error)}") from None
+    try:
+        with Session(engine) as session, session.begin():
+            StoreMetaRow.__table__.create(session.connection(), checkfirst=True)
+            _check_schema_version(session, display_url)
+            StoreBase.metadata.create_all(session.connection())
+    except OperationalError as error:
+        # Reachable but refused: read-only file, locked, a foreign table named like ours, ...
+        reason = _one_line(error)
+        raise InputError(
+            f"store {display_url} cannot be used as a hexiseq store: {reason}"
+        ) from None
+    except SQLAlchemyError as error:
+        raise InputError(
+            f"store {display_url} is not a hexiseq store: {_one_line(error)}"
+        ) from None
+
+
+def _check_schema_version(session: Session, display_url: str) -> None:
+    """Record SCHEMA_VERSION in a new store; raise InputError if an existing one differs."""
+    stored = session.get(StoreMetaRow, "schema_version")
+    if stored is None:
+        session.add(StoreMetaRow(key="schema_version", value=str(SCHEMA_VERSION)))
+        return
+    try:
+        stored_version = int(stored.value)
+    except ValueError:
+        raise InputError(
+            f"store {display_url} is not a hexiseq store: schema_version {stored.value!r} "
+            "is not an integer"
+        ) from None
+    if stored_version > SCHEMA_VERSION:
+        raise InputError(
+            f"store {display_url} has schema_version {stored_version}, newer than this hexiseq "
+            f"knows ({SCHEMA_VERSION}); upgrade hexiseq or use another store"
+        )
+    if stored_version < SCHEMA_VERSION:
+        raise InputError(
+            f"store {display_url} has schema_version {stored_version}, which this hexiseq cannot "
+            f"read (it knows {SCHEMA_VERSION}); use another store"
+        )

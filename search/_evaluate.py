@@ -1,0 +1,147 @@
+"""Scoring a candidate layout: simulate it, check memory, and build a `Plan` or say why not."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hexiseq.costmodel import CostModel, StepPrediction, estimate_memory, simulate_step
+from hexiseq.costmodel.memory import memory_limit_bytes
+
+from hexiseq.cluster import Cluster
+from hexiseq.layout import AttentionLayout
+from hexiseq.model import ModelSpec, TrainSpec
+from hexiseq.plan import InfeasiblePlan, Plan, Prediction, RankAssignment, RankPrediction
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What every candidate of one search shares."""
+
+    cluster: Cluster
+    model: ModelSpec
+    train: TrainSpec
+    cost: CostModel
+
+    def limits(self) -> list[int]:
+        return [
+            memory_limit_bytes(self.cluster.gpu(r).memory_bytes)
+            for r in range(self.cluster.world_size)
+        ]
+
+
+def state_bytes_total(problem: Problem) -> int:
+    """Parameters + gradients + optimizer states of the whole model, in bytes."""
+    return problem.model.params * problem.train.bytes_per_param_state
+
+
+def fit_state_fractions(
+    problem: Problem, layout: AttentionLayout
+) -> tuple[list[float], dict[int, int]]:
+    """Shard model states in proportion to each rank's memory left after everything else.
+
+    Returns the fractions and the bytes each rank would still miss (empty when all fit).
+    """
+    zero = [0.0] * layout.world_size
+    others = [
+        m.peak_bytes
+        for m in estimate_memory(problem.cluster, problem.model, problem.train, layout, zero)
+    ]
+    free = [limit - used for limit, used in zip(problem.limits(), others)]
+    positive = [max(0, f) for f in free]
+    total_states = state_bytes_total(problem)
+    if sum(positive) == 0:
+        fractions = [1.0 / layout.world_size] * layout.world_size
+    else:
+        fractions = [p / sum(positive) for p in positive]
+    missing = {}
+    for rank, (f, share) in enumerate(zip(free, fractions)):
+        lack = int(share * total_states - f)
+        if lack > 0:
+            missing[rank] = lack
+    return fractions, missing
+
+
+def memory_shortfall(
+    problem: Problem, layout: AttentionLayout, fractions: Sequence[float]
+) -> dict[int, int]:
+    """Bytes by which each over-limit rank exceeds 95 % of its memory."""
+    memory = estimate_memory(problem.cluster, problem.model, problem.train, layout, fractions)
+    return {
+        rank: m.peak_bytes - limit
+        for rank, (m, limit) in enumerate(zip(memory, problem.limits()))
+        if m.peak_bytes > limit
+    }
+
+
+def evaluate(
+    problem: Problem,
+    layout: AttentionLayout,
+    fractions: Sequence[float],
+    name: str,
+    knobs: dict[str, Any],
+) -> Plan | InfeasiblePlan:
+    """Simulate `layout`; an over-memory candidate becomes an `InfeasiblePlan` (OOM)."""
+    missing = memory_shortfall(problem, layout, fractions)
+    if missing:
+        return out_of_memory(name, missing)
+    prediction = simulate_step(
+        problem.cluster, problem.model, problem.train, layout, problem.cost, fractions
+    )
+    return build_plan(problem, layout, fractions, name, knobs, prediction)
+
+
+def out_of_memory(name: str, missing: dict[int, int]) -> InfeasiblePlan:
+    total_gib = sum(missing.values()) / 2**30
+    worst = max(missing, key=missing.get)
+    reason = (
+        f"OOM: {len(missing)} rank(s) over 95 % of memory, {total_gib:.2f} GiB missing in all "
+        f"(rank {worst} lacks {missing[worst] / 2**30:.2f} GiB)"
+    )
+    return InfeasiblePlan(name, reason, missing)
+
+
+def build_plan(
+    problem: Problem,
+    layout: AttentionLayout,
+    fractions: Sequence[float],
+    name: str,
+    knobs: dict[str, Any],
+    prediction: StepPrediction,
+) -> Plan:
+    devices = problem.cluster.devices
+    assignments = tuple(
+        RankAssignment(
+            rank=r,
+            gpu=devices[r].gpu,
+            node=devices[r].node,
+            group=layout.group_of(r),
+            head_range=layout.head_ranges[r],
+            tokens=layout.num_tokens(r),
+            state_fraction=float(fractions[r]),
+        )
+        for r in range(layout.world_size)
+    )
+    ranks = tuple(
+        RankPrediction(
+            **prediction.rank_times[r].to_dict(),
+            memory_bytes=prediction.memory[r].peak_bytes,
+            memory_capacity_bytes=prediction.memory_capacity_bytes[r],
+            memory_terms=prediction.memory[r].terms(),
+        )
+        for r in range(layout.world_size)
+    )
+    predicted = Prediction(
+        prediction.step_time_s, prediction.tokens_per_s, ranks, prediction.cost_model_labels
+    )
+    return Plan(
+        name,
+        problem.cluster,
+        problem.model,
+        problem.train,
+        layout,
+        assignments,
+        dict(knobs),
+        predicted,
+    )
