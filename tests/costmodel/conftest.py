@@ -1,0 +1,36 @@
+"""A cost model with round numbers, so simulator results can be checked by hand."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+
+@dataclass(frozen=True)
+class RoundNumberCost:
+    """Attention: `seconds_per_pair_head` per (pair, head) forward, 2x backward; matmuls and
+    bandwidth-bound kernels free; links: bytes / bandwidth, no latency or efficiency loss."""
+
+    seconds_per_pair_head: float = 1e-6
+    seconds_per_flop: float = 0.0
+
+    def label(self, gpu: str) -> str:
+        return "round numbers"
+
+    def gemm_time_s(self, gpu: str, flops: float) -> float:
+        return flops * self.seconds_per_flop
+
+    def attention_time_s(self, gpu, pairs, heads, head_dim, *, backward):
+        return pairs * heads * self.seconds_per_pair_head * (2.0 if backward else 1.0)
+
+    def memory_bound_time_s(self, gpu: str, bytes_moved: float) -> float:
+        return 0.0
+
+    def transfer_time_s(self, bytes_moved, bandwidth_GBps, latency_s):
+        return bytes_moved / (bandwidth_GBps * 1e9) + (latency_s if bytes_moved else 0.0)
+
+
+@pytest.fixture
+def round_cost() -> RoundNumberCost:
+    return RoundNumberCost()

@@ -1,0 +1,130 @@
+"""Step simulator on cases small enough to work out by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout, build_zigzag_layout
+from hexiseq.costmodel import DatasheetCostModel, simulate_step
+from hexiseq.costmodel._traffic import all_to_all_bytes
+
+# One layer, one head, head_dim 8: weights are tiny next to a 500-token K/V block, so the FSDP
+# gather (464 weights x 2 B) never shows and the ring alone sets the step time.
+ONE_HEAD = ModelSpec(
+    name="one-head", layers=1, hidden=8, heads=1, kv_heads=1, head_dim=8, ffn_hidden=8, vocab=8
+)
+S = 1000  # tokens; 2 groups -> zigzag chunks of 250: group 0 owns [0,250) and [750,1000)
+
+
+def two_node_cluster(bandwidth_GBps: float, slowdown: float = 1.0) -> Cluster:
+    return Cluster.from_dict(
+        {
+            "name": "two",
+            "nodes": [
+                {"name": "a", "gpu": "cpu", "count": 1},
+                {"name": "b", "gpu": "cpu", "count": 1, "emulation_slowdown": slowdown},
+            ],
+            "network": {"inter_node_GBps": bandwidth_GBps, "inter_node_latency_us": 0},
+        }
+    )
+
+
+def test_slow_link_exposes_ring_transfers(round_cost):
+    # Causal pairs per group (see module docstring): own block 125,250, other block 125,000.
+    # Forward: step 0 computes 0.12525 s; the other block (500 tok x 2 (K,V) x 8 dims x 2 B =
+    # 16,000 B) needs 16,000 B / 32,000 B/s = 0.5 s, so step 1 runs 0.5 -> 0.625.
+    # Backward: step 0 2 x 0.12525 = 0.2505 s; K/V arrive at 0.5; the partner's FP32 dK/dV
+    # (32,000 B, 1.0 s) leave at 0.2505 and arrive 1.2505, which ends step 1; they then return
+    # to their owner: 1.2505 + 1.0 = 2.2505. Step = 0.625 + 2.2505 (no recompute).
+    cluster = two_node_cluster(bandwidth_GBps=32_000 / 1e9)
+    layout = build_uniform_layout(S, 1, 1, [1, 1])
+    train = TrainSpec(seq_len=S, activation_checkpointing=False)
+    prediction = simulate_step(cluster, ONE_HEAD, train, layout, round_cost)
+    assert prediction.step_time_s == pytest.approx(0.625 + 2.2505, rel=1e-9)
+    for rank in prediction.rank_times:
+        assert rank.attention_s == pytest.approx(0.25025 + 0.5005, rel=1e-9)
+        assert rank.ring_exposed_comm_s == pytest.approx(0.37475 + 1.75, rel=1e-9)
+        assert rank.all_to_all_s == 0.0
+        assert rank.idle_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_fast_link_hides_ring_transfers(round_cost):
+    cluster = two_node_cluster(bandwidth_GBps=1e6)
+    layout = build_uniform_layout(S, 1, 1, [1, 1])
+    train = TrainSpec(seq_len=S, activation_checkpointing=False)
+    prediction = simulate_step(cluster, ONE_HEAD, train, layout, round_cost)
+    # Only compute: forward 0.25025 s, backward 0.5005 s.
+    assert prediction.step_time_s == pytest.approx(0.75075, rel=1e-6)
+
+
+def test_slow_device_makes_everyone_wait(round_cost):
+    # Rank 1 computes 2x slower. Forward: rank 1 finishes 0.2505 + 0.25 = 0.5005 while rank 0
+    # is done at 0.25025 and idles. Backward: rank 1's steps take 0.501 and 0.5; rank 0's
+    # second step ends only when rank 1's dK/dV arrive (0.501); both finish when rank 1's
+    # block gradients return at 1.001. Step = 0.5005 + 1.001.
+    cluster = two_node_cluster(bandwidth_GBps=1e6, slowdown=2.0)
+    layout = build_uniform_layout(S, 1, 1, [1, 1])
+    train = TrainSpec(seq_len=S, activation_checkpointing=False)
+    prediction = simulate_step(cluster, ONE_HEAD, train, layout, round_cost)
+    fast, slow = prediction.rank_times
+    assert prediction.step_time_s == pytest.approx(1.5015, rel=1e-6)
+    assert slow.attention_s == pytest.approx(2 * 0.75075, rel=1e-9)
+    assert fast.attention_s == pytest.approx(0.75075, rel=1e-9)
+    assert fast.idle_s + fast.ring_exposed_comm_s == pytest.approx(1.5015 - 0.75075, rel=1e-6)
+
+
+def test_balanced_uneven_segments_beat_even_ones_on_a_slow_device(round_cost):
+    cluster = two_node_cluster(bandwidth_GBps=1e6, slowdown=2.0)
+    train = TrainSpec(seq_len=1200, activation_checkpointing=False)
+    even = build_uniform_layout(1200, 1, 1, [1, 1])
+    # Segment work is proportional to segment length under the generalized zigzag:
+    # give the 2x slower rank half the tokens of the fast one.
+    balanced = build_zigzag_layout(1200, 1, 1, [[0], [1]], [800, 400], [[1], [1]], [[1], [1]])
+    even_s = simulate_step(cluster, ONE_HEAD, train, even, round_cost).step_time_s
+    balanced_s = simulate_step(cluster, ONE_HEAD, train, balanced, round_cost).step_time_s
+    assert balanced_s < 0.8 * even_s
+
+
+def test_checkpointing_adds_one_forward(round_cost):
+    cluster = two_node_cluster(bandwidth_GBps=1e6)
+    layout = build_uniform_layout(S, 1, 1, [1, 1])
+    plain = simulate_step(
+        cluster, ONE_HEAD, TrainSpec(seq_len=S, activation_checkpointing=False), layout, round_cost
+    )
+    recompute = simulate_step(cluster, ONE_HEAD, TrainSpec(seq_len=S), layout, round_cost)
+    assert recompute.step_time_s - plain.step_time_s == pytest.approx(0.25025, rel=1e-6)
+
+
+def test_breakdown_adds_up_to_step_time():
+    cluster = Cluster.preset("h100x8-a100x8")
+    model = ModelSpec.preset("llama3-8b")
+    layout = build_uniform_layout(128 * 1024, model.heads, model.kv_heads, [4, 4, 4, 4])
+    prediction = simulate_step(
+        cluster, model, TrainSpec(seq_len=128 * 1024), layout, DatasheetCostModel()
+    )
+    for rank in prediction.rank_times:
+        parts = rank.to_dict().values()
+        assert all(part >= -1e-9 for part in parts)
+        assert sum(parts) == pytest.approx(prediction.step_time_s, rel=1e-9)
+    assert prediction.tokens_per_s == pytest.approx(128 * 1024 / prediction.step_time_s)
+    assert prediction.cost_model_labels == {
+        "H100-SXM": "datasheet estimate",
+        "A100-80G": "datasheet estimate",
+    }
+
+
+def test_all_to_all_bytes_follow_heads_and_gqa():
+    # 4 heads, 2 KV heads (ratio 2) over 2 ranks with uneven heads 3 + 1: rank 0 needs KV
+    # heads [0, 2), rank 1 KV head [1, 2) — head 1 is sent to both (GQA boundary).
+    layout = build_zigzag_layout(40, 4, 2, [[0, 1]], [40], [[1, 1]], [[3, 1]])
+    matrix = all_to_all_bytes(layout, (0, 1), head_dim=8, q_heads=True, kv=True)
+    tokens = [layout.num_tokens(0), layout.num_tokens(1)]  # 20 each
+    assert matrix[0, 1] == tokens[0] * (1 + 2 * 1) * 8 * 2
+    assert matrix[1, 0] == tokens[1] * (3 + 2 * 2) * 8 * 2
+    assert matrix[0, 0] == matrix[1, 1] == 0
+
+
+def test_rejects_a_layout_for_another_world_size(round_cost):
+    layout = build_uniform_layout(S, 1, 1, [1, 1, 1])
+    with pytest.raises(ValueError, match="3 ranks but cluster two has 2 devices"):
+        simulate_step(two_node_cluster(1.0), ONE_HEAD, TrainSpec(seq_len=S), layout, round_cost)
