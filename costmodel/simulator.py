@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+
+from hexiseq.cluster import Cluster
 from hexiseq.costmodel._traffic import (
     BF16,
     FP32,
@@ -32,8 +34,6 @@ from hexiseq.costmodel._traffic import (
 )
 from hexiseq.costmodel.base import CostModel
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, even_state_fractions
-
-from hexiseq.cluster import Cluster
 from hexiseq.flops import head_flops_per_token
 from hexiseq.layout import AttentionLayout, causal_pair_count
 from hexiseq.model import ModelSpec, TrainSpec

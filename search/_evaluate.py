@@ -6,10 +6,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hexiseq.cluster import Cluster
 from hexiseq.costmodel import CostModel, StepPrediction, estimate_memory, simulate_step
 from hexiseq.costmodel.memory import memory_limit_bytes
-
-from hexiseq.cluster import Cluster
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import InfeasiblePlan, Plan, Prediction, RankAssignment, RankPrediction

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hexiseq.costmodel import CostModel, DatasheetCostModel
-from hexiseq.search._evaluate import Problem
-from hexiseq.search.baselines import all_baselines
-from hexiseq.search.proportional import node_groupings, plan_for_grouping
-
 from hexiseq.cluster import Cluster
+from hexiseq.costmodel import CostModel, DatasheetCostModel
 from hexiseq.errors import InfeasibleError, InputError
 from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.search._evaluate import Problem
+from hexiseq.search.baselines import all_baselines
+from hexiseq.search.proportional import node_groupings, plan_for_grouping
 from hexiseq.units import parse_seq_len
 
 

@@ -11,10 +11,9 @@ model states sharded evenly.
 from __future__ import annotations
 
 from hexiseq.costmodel.memory import even_state_fractions
-from hexiseq.search._evaluate import Problem, evaluate
-
 from hexiseq.layout import build_uniform_layout
 from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.search._evaluate import Problem, evaluate
 
 
 def uniform_grid_plan(problem: Problem, hp_degree: int, name: str) -> Plan | InfeasiblePlan:
