@@ -51,32 +51,20 @@ def all_to_all_bytes(
     return matrix
 
 
-def ring_hops(layout: AttentionLayout) -> dict[int, RingHop]:
-    """For every rank, the ranks of the previous ring group that send it K/V heads."""
+def ring_hops(layout: AttentionLayout) -> tuple[dict[int, RingHop], np.ndarray]:
+    """For every rank, the ranks of the previous ring group that send it K/V heads; and for
+    every rank, how many K/V heads per block token it sends on its outgoing hop."""
     hops: dict[int, RingHop] = {}
+    heads_out = np.zeros(layout.world_size, dtype=np.int64)
     group_count = len(layout.groups)
     for position, members in enumerate(layout.groups):
-        previous = layout.groups[(position - 1) % group_count]
-        holder = _kv_holders(layout, previous)
+        holder = _kv_holders(layout, layout.groups[(position - 1) % group_count])
         for rank in members:
             low, high = layout.kv_head_range(rank)
-            senders = tuple(sorted({holder[head] for head in range(low, high)}))
-            hops[rank] = RingHop(senders, high - low)
-    return hops
-
-
-def sender_kv_heads_out(layout: AttentionLayout, hops: dict[int, RingHop]) -> np.ndarray:
-    """K/V heads per block token each rank sends on its outgoing ring hop."""
-    out = np.zeros(layout.world_size, dtype=np.int64)
-    group_count = len(layout.groups)
-    for position, members in enumerate(layout.groups):
-        previous = layout.groups[(position - 1) % group_count]
-        holder = _kv_holders(layout, previous)
-        for rank in members:
-            low, high = layout.kv_head_range(rank)
-            for head in range(low, high):
-                out[holder[head]] += 1
-    return out
+            senders = [holder[head] for head in range(low, high)]
+            np.add.at(heads_out, senders, 1)
+            hops[rank] = RingHop(tuple(sorted(set(senders))), high - low)
+    return hops, heads_out
 
 
 def _kv_holders(layout: AttentionLayout, members: tuple[int, ...]) -> dict[int, int]:

@@ -20,48 +20,26 @@ layers x (forward + backward layer) + head + optimizer.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from hexiseq.cluster import Cluster
+from hexiseq.costmodel._ring import ring_pass
+from hexiseq.costmodel._state import BREAKDOWN_KEYS, Ledger, SimContext
 from hexiseq.costmodel._traffic import (
     BF16,
     FP32,
     all_to_all_bytes,
-    ring_hops,
-    sender_kv_heads_out,
 )
 from hexiseq.costmodel.base import CostModel
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, even_state_fractions
 from hexiseq.flops import head_flops_per_token
-from hexiseq.layout import AttentionLayout, causal_pair_count
+from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
+from hexiseq.plan import RankTime
 
 ADAM_BYTES_PER_PARAM = 32  # reads FP32 param, grad, m, v; writes param, m, v and a BF16 copy
-BREAKDOWN_KEYS = (
-    "linear_s",
-    "attention_s",
-    "all_to_all_s",
-    "ring_exposed_comm_s",
-    "sharding_exposed_comm_s",
-    "idle_s",
-)
-
-
-@dataclass(frozen=True, slots=True)
-class RankTime:
-    """Where one rank's step time goes, in seconds; the six parts add up to the step time."""
-
-    linear_s: float
-    attention_s: float
-    all_to_all_s: float
-    ring_exposed_comm_s: float
-    sharding_exposed_comm_s: float
-    idle_s: float
-
-    def to_dict(self) -> dict[str, float]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -74,40 +52,6 @@ class StepPrediction:
     memory: tuple[MemoryBreakdown, ...]
     memory_capacity_bytes: tuple[int, ...]
     cost_model_labels: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class _Context:
-    """Per-plan constants the layer simulation reads (arrays indexed by rank)."""
-
-    cluster: Cluster
-    model: ModelSpec
-    train: TrainSpec
-    layout: AttentionLayout
-    cost: CostModel
-    gpus: list[str]
-    nodes: list[str]
-    slowdown: np.ndarray
-    group_of: np.ndarray
-
-
-class _Ledger:
-    """Per-rank accumulators of the breakdown categories."""
-
-    def __init__(self, world_size: int) -> None:
-        self.parts = {key: np.zeros(world_size) for key in BREAKDOWN_KEYS}
-
-    def add(self, key: str, seconds: np.ndarray | float) -> None:
-        self.parts[key] = self.parts[key] + seconds
-
-    def scaled(self, factor: float) -> _Ledger:
-        copy = _Ledger(len(self.parts["linear_s"]))
-        copy.parts = {key: value * factor for key, value in self.parts.items()}
-        return copy
-
-    def merge(self, other: _Ledger) -> None:
-        for key, value in other.parts.items():
-            self.parts[key] = self.parts[key] + value
 
 
 def simulate_step(
@@ -125,18 +69,16 @@ def simulate_step(
     _check_compatible(cluster, model, layout)
     fractions = list(state_fractions or even_state_fractions(layout.world_size))
     context = _make_context(cluster, model, train, layout, cost)
-    layer_ledger = _Ledger(layout.world_size)
+    layer_ledger = Ledger(layout.world_size)
     forward_s = _simulate_layer(context, layer_ledger, backward=False)
     backward_s = _simulate_layer(context, layer_ledger, backward=True)
     _add_sharding_exposure(context, layer_ledger, fractions, forward_s, backward_s)
     ledger = layer_ledger.scaled(model.layers)
     ledger.merge(_head_and_loss(context))
-    per_micro_batch = _ledger_total(ledger)
     ledger = ledger.scaled(train.micro_batches)
     ledger.merge(_optimizer(context, fractions))
-    step_time_s = float(np.max(_ledger_total(ledger)))
-    ledger.add("idle_s", step_time_s - _ledger_total(ledger))
-    del per_micro_batch
+    step_time_s = float(np.max(ledger.total()))
+    ledger.add("idle_s", step_time_s - ledger.total())
     return _prediction(context, ledger, step_time_s, fractions)
 
 
@@ -155,10 +97,10 @@ def _check_compatible(cluster: Cluster, model: ModelSpec, layout: AttentionLayou
 
 def _make_context(
     cluster: Cluster, model: ModelSpec, train: TrainSpec, layout: AttentionLayout, cost: CostModel
-) -> _Context:
+) -> SimContext:
     devices = cluster.devices
     group_of = np.array([layout.group_of(r) for r in range(layout.world_size)])
-    return _Context(
+    return SimContext(
         cluster=cluster,
         model=model,
         train=train,
@@ -171,7 +113,7 @@ def _make_context(
     )
 
 
-def _simulate_layer(context: _Context, ledger: _Ledger, *, backward: bool) -> float:
+def _simulate_layer(context: SimContext, ledger: Ledger, *, backward: bool) -> float:
     """One layer's forward, or its backward (recompute included), from an in-step start.
 
     Returns the layer's duration (its slowest rank) and books every rank's time in `ledger`.
@@ -188,30 +130,30 @@ def _simulate_layer(context: _Context, ledger: _Ledger, *, backward: bool) -> fl
     return duration
 
 
-def _forward_events(context: _Context, ledger: _Ledger, start: np.ndarray) -> np.ndarray:
+def _forward_events(context: SimContext, ledger: Ledger, start: np.ndarray) -> np.ndarray:
     pre, post = _linear_times(context)
     t = _book(ledger, "linear_s", start, pre)
     t = _all_to_all(context, ledger, t, q_heads=True, kv=True)
-    t = _ring_pass(context, ledger, t, backward=False)
+    t = ring_pass(context, ledger, t, backward=False)
     t = _all_to_all(context, ledger, t, q_heads=True, kv=False)
     return _book(ledger, "linear_s", t, post)
 
 
-def _backward_events(context: _Context, ledger: _Ledger, start: np.ndarray) -> np.ndarray:
+def _backward_events(context: SimContext, ledger: Ledger, start: np.ndarray) -> np.ndarray:
     pre, post = _linear_times(context)
     t = _book(ledger, "linear_s", start, 2.0 * post)
     t = _all_to_all(context, ledger, t, q_heads=True, kv=False)
-    t = _ring_pass(context, ledger, t, backward=True)
+    t = ring_pass(context, ledger, t, backward=True)
     t = _all_to_all(context, ledger, t, q_heads=True, kv=True)
     return _book(ledger, "linear_s", t, 2.0 * pre)
 
 
-def _book(ledger: _Ledger, key: str, start: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+def _book(ledger: Ledger, key: str, start: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     ledger.add(key, seconds)
     return start + seconds
 
 
-def _linear_times(context: _Context) -> tuple[np.ndarray, np.ndarray]:
+def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
     """Forward time of the parts before attention (norm, q/k/v, RoPE) and after it
     (output projection, residual, norm, SwiGLU MLP), per rank."""
     model, layout = context.model, context.layout
@@ -236,7 +178,7 @@ def _linear_times(context: _Context) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _all_to_all(
-    context: _Context, ledger: _Ledger, ready: np.ndarray, *, q_heads: bool, kv: bool
+    context: SimContext, ledger: Ledger, ready: np.ndarray, *, q_heads: bool, kv: bool
 ) -> np.ndarray:
     """An all-to-all inside every HP group: it starts when the group's last member is ready."""
     done = ready.copy()
@@ -250,14 +192,14 @@ def _all_to_all(
     return done
 
 
-def _scatter(context: _Context, index: list[int], values: np.ndarray | float) -> np.ndarray:
+def _scatter(context: SimContext, index: list[int], values: np.ndarray | float) -> np.ndarray:
     full = np.zeros(context.layout.world_size)
     full[index] = values
     return full
 
 
 def _all_to_all_duration(
-    context: _Context, members: tuple[int, ...], *, q_heads: bool, kv: bool
+    context: SimContext, members: tuple[int, ...], *, q_heads: bool, kv: bool
 ) -> float:
     """Slowest member's send or receive time; same-node and cross-node traffic use their links."""
     if len(members) == 1:
@@ -273,7 +215,7 @@ def _all_to_all_duration(
 
 
 def _fan_time(
-    context: _Context, rank: int, members: tuple[int, ...], bytes_by_member: np.ndarray
+    context: SimContext, rank: int, members: tuple[int, ...], bytes_by_member: np.ndarray
 ) -> float:
     """Time for one rank to send (or receive) its share to every other member of its group."""
     node = context.nodes[rank]
@@ -290,124 +232,9 @@ def _fan_time(
     return time_s
 
 
-def _ring_pass(
-    context: _Context, ledger: _Ledger, ring_start: np.ndarray, *, backward: bool
-) -> np.ndarray:
-    """All ring steps of one attention pass; returns each rank's finish time."""
-    layout = context.layout
-    group_count = len(layout.groups)
-    compute = _ring_compute(context, backward=backward)  # [step, rank]
-    ledger.add("attention_s", compute.sum(axis=0))
-    start, end = ring_start.copy(), ring_start + compute[0]
-    if group_count > 1:
-        hops = ring_hops(layout)
-        kv_time, dkv_time = _ring_transfer_times(context, hops)
-        for step in range(1, group_count):
-            start, end = _ring_step(
-                context,
-                hops,
-                step,
-                start,
-                end,
-                compute[step],
-                kv_time[step],
-                dkv_time[step] if backward else None,
-            )
-        if backward:
-            end = _return_gradients(context, hops, end, dkv_time[0])
-    ledger.add("ring_exposed_comm_s", end - ring_start - compute.sum(axis=0))
-    return end
-
-
-def _ring_step(
-    context: _Context,
-    hops: dict,
-    step: int,
-    prev_start: np.ndarray,
-    prev_end: np.ndarray,
-    compute: np.ndarray,
-    kv_time: np.ndarray,
-    dkv_time: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Step `step`: the block was posted when sender and receiver began the previous step."""
-    world = context.layout.world_size
-    start, end = np.empty(world), np.empty(world)
-    for rank in range(world):
-        senders = list(hops[rank].senders)
-        posted = max(prev_start[rank], float(np.max(prev_start[senders])))
-        start[rank] = max(prev_end[rank], posted + kv_time[rank])
-        end[rank] = start[rank] + compute[rank]
-        if dkv_time is not None:  # partial dK/dV leave the sender only when its step is done
-            end[rank] = max(end[rank], float(np.max(prev_end[senders])) + dkv_time[rank])
-    return start, end
-
-
-def _return_gradients(
-    context: _Context, hops: dict, end: np.ndarray, dkv_time: np.ndarray
-) -> np.ndarray:
-    """After the last step each block's dK/dV make one more hop, back to their owner group."""
-    done = end.copy()
-    for rank in range(context.layout.world_size):
-        senders = list(hops[rank].senders)
-        done[rank] = max(end[rank], float(np.max(end[senders])) + dkv_time[rank])
-    return done
-
-
-def _ring_compute(context: _Context, *, backward: bool) -> np.ndarray:
-    """Attention time of every rank at every ring step: its heads, its group's queries and the
-    causal (query, key) pairs against the block of the group `step` places back."""
-    layout, model = context.layout, context.model
-    group_count = len(layout.groups)
-    segments = [layout.segment(g) for g in range(group_count)]
-    compute = np.zeros((group_count, layout.world_size))
-    for step in range(group_count):
-        for rank, gpu in enumerate(context.gpus):
-            group = int(context.group_of[rank])
-            origin = (group - step) % group_count
-            pairs = causal_pair_count(segments[group], segments[origin])
-            heads = layout.num_heads_of(rank)
-            seconds = context.cost.attention_time_s(
-                gpu, pairs, heads, model.head_dim, backward=backward
-            )
-            compute[step, rank] = seconds * context.slowdown[rank]
-    return compute
-
-
-def _ring_transfer_times(context: _Context, hops: dict) -> tuple[np.ndarray, np.ndarray]:
-    """[origin-offset step, rank] transfer time of the K/V block (BF16) and of its dK/dV (FP32)
-    arriving at each rank; index 0 is the final return hop of the backward pass."""
-    layout, model = context.layout, context.model
-    group_count = len(layout.groups)
-    lengths = [layout.segment_length(g) for g in range(group_count)]
-    heads_out = sender_kv_heads_out(layout, hops)
-    kv_time = np.zeros((group_count, layout.world_size))
-    dkv_time = np.zeros((group_count, layout.world_size))
-    for step in range(group_count):
-        for rank in range(layout.world_size):
-            origin = (int(context.group_of[rank]) - step) % group_count
-            for table, element in ((kv_time, BF16), (dkv_time, FP32)):
-                per_head = lengths[origin] * 2 * model.head_dim * element
-                table[step, rank] = _hop_time(context, hops[rank], rank, heads_out, per_head)
-    return kv_time, dkv_time
-
-
-def _hop_time(context: _Context, hop, rank: int, heads_out: np.ndarray, per_head: float) -> float:
-    """Receiving `hop.kv_heads_in` heads while each sender sends all its outgoing heads."""
-    cluster, cost = context.cluster, context.cost
-    slowest = 0.0
-    for sender in hop.senders:
-        node_a, node_b = context.nodes[sender], context.nodes[rank]
-        bytes_moved = max(hop.kv_heads_in, heads_out[sender]) * per_head
-        seconds = cost.transfer_time_s(
-            bytes_moved, cluster.link_GBps(node_a, node_b), cluster.link_latency_s(node_a, node_b)
-        )
-        slowest = max(slowest, seconds)
-    return slowest
-
-
 def _add_sharding_exposure(
-    context: _Context,
-    ledger: _Ledger,
+    context: SimContext,
+    ledger: Ledger,
     fractions: list[float],
     forward_s: float,
     backward_s: float,
@@ -422,7 +249,7 @@ def _add_sharding_exposure(
 
 
 def _domain_collective_time(
-    context: _Context, total_bytes: float, fractions: list[float]
+    context: SimContext, total_bytes: float, fractions: list[float]
 ) -> float:
     """All-gather (or reduce-scatter) of `total_bytes` sharded by `fractions` over all ranks:
     each rank receives what it does not own; cross-node traffic goes through its NIC."""
@@ -438,10 +265,10 @@ def _domain_collective_time(
     return cost.transfer_time_s(largest_missing, bandwidth, latency)
 
 
-def _head_and_loss(context: _Context) -> _Ledger:
+def _head_and_loss(context: SimContext) -> Ledger:
     """The LM head's matmul forward + backward (no recompute) and the loss, per rank."""
     model, layout = context.model, context.layout
-    ledger = _Ledger(layout.world_size)
+    ledger = Ledger(layout.world_size)
     flops = head_flops_per_token(model)
     seconds = np.zeros(layout.world_size)
     for rank, gpu in enumerate(context.gpus):
@@ -452,9 +279,9 @@ def _head_and_loss(context: _Context) -> _Ledger:
     return ledger
 
 
-def _optimizer(context: _Context, fractions: list[float]) -> _Ledger:
+def _optimizer(context: SimContext, fractions: list[float]) -> Ledger:
     """Adam on each rank's shard of the parameters (bandwidth-bound)."""
-    ledger = _Ledger(context.layout.world_size)
+    ledger = Ledger(context.layout.world_size)
     seconds = np.array(
         [
             context.cost.memory_bound_time_s(
@@ -467,12 +294,8 @@ def _optimizer(context: _Context, fractions: list[float]) -> _Ledger:
     return ledger
 
 
-def _ledger_total(ledger: _Ledger) -> np.ndarray:
-    return sum(ledger.parts.values())
-
-
 def _prediction(
-    context: _Context, ledger: _Ledger, step_time_s: float, fractions: list[float]
+    context: SimContext, ledger: Ledger, step_time_s: float, fractions: list[float]
 ) -> StepPrediction:
     memory = estimate_memory(
         context.cluster, context.model, context.train, context.layout, fractions

@@ -39,8 +39,8 @@ class RankAssignment:
 
 
 @dataclass(frozen=True, slots=True)
-class RankPrediction:
-    """One rank's predicted time breakdown (s) and peak memory (bytes) by term."""
+class RankTime:
+    """Where one rank's step time goes, in seconds; the six parts add up to the step time."""
 
     linear_s: float
     attention_s: float
@@ -48,14 +48,6 @@ class RankPrediction:
     ring_exposed_comm_s: float
     sharding_exposed_comm_s: float
     idle_s: float
-    memory_bytes: int
-    memory_capacity_bytes: int
-    memory_terms: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def busy_s(self) -> float:
-        """Time spent computing and communicating (everything but waiting on peers)."""
-        return self.step_s - self.idle_s
 
     @property
     def step_s(self) -> float:
@@ -67,6 +59,23 @@ class RankPrediction:
             + self.sharding_exposed_comm_s
             + self.idle_s
         )
+
+    @property
+    def busy_s(self) -> float:
+        """Time spent computing and communicating (everything but waiting on peers)."""
+        return self.step_s - self.idle_s
+
+    def to_dict(self) -> dict[str, float]:
+        return {key: getattr(self, key) for key in RankTime.__dataclass_fields__}
+
+
+@dataclass(frozen=True, slots=True)
+class RankPrediction(RankTime):
+    """One rank's predicted time breakdown (s) and peak memory (bytes) by term."""
+
+    memory_bytes: int
+    memory_capacity_bytes: int
+    memory_terms: dict[str, int] = field(default_factory=dict)
 
     @property
     def memory_fraction(self) -> float:
