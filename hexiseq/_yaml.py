@@ -41,7 +41,9 @@ def format_validation_error(
 
     With `root` (the validated model class), an unknown key's message lists the allowed keys.
     """
-    error = exc.errors()[0]
+    # An unknown key explains most other errors of its mapping (a misspelt field is also
+    # "missing"), so it is reported first.
+    error = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
     location = _format_location(error["loc"])
     message = _explain(error, root)
     prefix = f"{source}: {location}: " if location else f"{source}: "

@@ -74,15 +74,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from hexiseq.cluster import Cluster
+    from hexiseq.model import ModelSpec
     from hexiseq.report import format_search_result
     from hexiseq.search import plan_search
+    from hexiseq.units import parse_seq_len
 
+    # Check every input before anything is created on disk.
+    cluster, model = Cluster.load(args.cluster), ModelSpec.preset(args.model)
+    seq_len = parse_seq_len(args.seq_len)
     store = _open_store(args)
     result = plan_search(
-        args.cluster,
-        args.model,
-        args.seq_len,
-        activation_checkpointing=not args.no_checkpointing,
+        cluster, model, seq_len, activation_checkpointing=not args.no_checkpointing
     )
     print(format_search_result(result))
     if args.out:

@@ -16,6 +16,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -29,7 +30,8 @@ DEFAULT_INTER_NODE_LATENCY_US = 10.0  # NCCL small-message latency over InfiniBa
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No infinities or NaN in any number; no silent bool -> int.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class NodeFile(_Strict):
@@ -37,7 +39,7 @@ class NodeFile(_Strict):
 
     name: str = Field(min_length=1)
     gpu: str
-    count: int = Field(ge=1, le=1024)
+    count: StrictInt = Field(ge=1, le=1024)
     intra_node_GBps: float | None = Field(default=None, gt=0)
     emulation_slowdown: float = Field(default=1.0, ge=1.0)
 
@@ -89,13 +91,29 @@ class ClusterFile(_Strict):
             raise ValueError(f"node names must be unique; repeated: {', '.join(duplicates)}")
         if len(self.nodes) > 1 and self.network is None:
             raise ValueError("network is required when there is more than one node")
-        for override in self.network.overrides if self.network else []:
-            for end in (override.a, override.b):
-                if end not in names:
-                    raise ValueError(
-                        f"network.overrides names unknown node '{end}'; nodes: {', '.join(names)}"
-                    )
+        _check_overrides(self.network.overrides if self.network else [], names)
         return self
+
+
+def _check_overrides(overrides: list[OverrideFile], names: list[str]) -> None:
+    seen: set[frozenset[str]] = set()
+    for override in overrides:
+        for end in (override.a, override.b):
+            if end not in names:
+                raise ValueError(
+                    f"network.overrides names unknown node '{end}'; nodes: {', '.join(names)}"
+                )
+        pair = frozenset((override.a, override.b))
+        if len(pair) == 1:
+            raise ValueError(
+                f"network.overrides: a node cannot override a link to itself ('{override.a}'); "
+                "set intra_node_GBps on the node instead"
+            )
+        if pair in seen:
+            raise ValueError(
+                f"network.overrides: the link {override.a} - {override.b} is given twice"
+            )
+        seen.add(pair)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +176,7 @@ class Cluster:
         """One-direction bandwidth per GPU between two nodes (intra-node link if equal)."""
         if node_a == node_b:
             return self._node(node_a).intra_node_GBps
+        self._node(node_a), self._node(node_b)  # unknown names raise InputError
         for a, b, gbps in self.overrides:
             if {a, b} == {node_a, node_b}:
                 return gbps
@@ -170,7 +189,11 @@ class Cluster:
         return self.inter_node_latency_us * 1e-6
 
     def _node(self, name: str) -> Node:
-        return next(node for node in self.nodes if node.name == name)
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        known = ", ".join(node.name for node in self.nodes)
+        raise InputError(f"cluster {self.name} has no node '{name}'; nodes: {known}")
 
     def to_dict(self) -> dict[str, Any]:
         """The cluster as a document `from_dict` accepts (round-trips exactly)."""
@@ -238,7 +261,7 @@ def _cluster_from_file(parsed: ClusterFile) -> Cluster:
             name=node.name,
             gpu=node.gpu,
             count=node.count,
-            intra_node_GBps=node.intra_node_GBps or gpu_spec(node.gpu).intra_node_GBps,
+            intra_node_GBps=float(node.intra_node_GBps or gpu_spec(node.gpu).intra_node_GBps),
             emulation_slowdown=node.emulation_slowdown,
         )
         for node in parsed.nodes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from functools import cache
 from typing import Any
@@ -73,7 +74,8 @@ class ModelSpec:
 
     @classmethod
     def from_dict(cls, document: dict[str, Any]) -> ModelSpec:
-        return cls(**document)
+        """Rebuild from `to_dict`; `InputError` naming missing or unknown fields."""
+        return cls(**_known_fields(cls, document, "model"))
 
     @classmethod
     def preset(cls, name: str) -> ModelSpec:
@@ -108,10 +110,17 @@ class TrainSpec:
     compute_dtype_bytes: int = 2
 
     def __post_init__(self) -> None:
+        for field_name in (
+            "seq_len",
+            "micro_batches",
+            "bytes_per_param_state",
+            "compute_dtype_bytes",
+        ):
+            _check_positive_int("train", field_name, getattr(self, field_name))
         if self.seq_len < 2:
-            raise InputError(f"seq_len must be at least 2 tokens (got {self.seq_len})")
-        if self.micro_batches < 1:
-            raise InputError(f"micro_batches must be at least 1 (got {self.micro_batches})")
+            raise InputError(f"train: seq_len must be at least 2 tokens (got {self.seq_len})")
+        if not isinstance(self.activation_checkpointing, bool):
+            raise InputError("train: activation_checkpointing must be true or false")
 
     @property
     def tokens_per_step(self) -> int:
@@ -122,4 +131,33 @@ class TrainSpec:
 
     @classmethod
     def from_dict(cls, document: dict[str, Any]) -> TrainSpec:
-        return cls(**document)
+        """Rebuild from `to_dict`; `InputError` naming missing or unknown fields."""
+        return cls(**_known_fields(cls, document, "train"))
+
+
+def _check_positive_int(owner: str, field_name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InputError(f"{owner}: {field_name} must be a whole number (got {value!r})")
+    if value <= 0:
+        raise InputError(f"{owner}: {field_name} must be positive (got {value})")
+
+
+def _known_fields(cls: type, document: Any, what: str) -> dict[str, Any]:
+    """`document` if its keys are exactly the dataclass's fields (defaults may be left out)."""
+    if not isinstance(document, dict):
+        raise InputError(f"{what}: expected a mapping (got {type(document).__name__})")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(document) - set(fields))
+    if unknown:
+        raise InputError(
+            f"{what}: unknown key(s) {', '.join(unknown)}; allowed: {', '.join(fields)}"
+        )
+    required = [
+        name
+        for name, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in document]
+    if missing:
+        raise InputError(f"{what}: missing field(s) {', '.join(missing)}")
+    return document

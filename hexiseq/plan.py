@@ -147,19 +147,23 @@ class Plan:
         if not isinstance(document, dict):
             raise InputError(f"{source}: not a hexiseq plan (expected a JSON object)")
         version = document.get("schema_version")
-        if version != PLAN_SCHEMA_VERSION:
+        if type(version) is not int or version != PLAN_SCHEMA_VERSION:
             raise InputError(
                 f"{source}: schema_version {version!r} is not supported; this hexiseq reads "
                 f"version {PLAN_SCHEMA_VERSION}"
             )
         try:
-            return _plan_from_dict(document, source)
+            plan = _plan_from_dict(document, source)
         except KeyError as exc:
             raise InputError(f"{source}: not a hexiseq plan: missing field {exc}") from None
+        except InputError as exc:
+            message = str(exc)
+            prefixed = message if message.startswith(source) else f"{source}: {message}"
+            raise InputError(prefixed) from None
         except (TypeError, ValueError, AttributeError) as exc:
-            if isinstance(exc, InputError):
-                raise
             raise InputError(f"{source}: not a valid hexiseq plan: {exc}") from None
+        _check_consistent(plan, source)
+        return plan
 
     @classmethod
     def from_json_text(cls, text: str, source: str = "plan") -> Plan:
@@ -208,6 +212,30 @@ def _plan_from_dict(document: dict[str, Any], source: str) -> Plan:
         knobs=dict(document["knobs"]),
         predicted=_prediction_from_dict(document["predicted"]),
     )
+
+
+def _check_consistent(plan: Plan, source: str) -> None:
+    """The parts of a plan must describe the same run."""
+    layout, world = plan.attention_layout, plan.cluster.world_size
+    problems = []
+    if layout.world_size != world:
+        problems.append(f"layout has {layout.world_size} ranks, cluster {world} devices")
+    if layout.seq_len != plan.train.seq_len:
+        problems.append(
+            f"layout covers {layout.seq_len} tokens, train.seq_len is {plan.train.seq_len}"
+        )
+    if (layout.num_heads, layout.num_kv_heads) != (plan.model.heads, plan.model.kv_heads):
+        problems.append("layout heads differ from the model's")
+    for what, items in (
+        ("assignments", plan.assignments),
+        ("predicted.ranks", plan.predicted.ranks),
+    ):
+        if len(items) != world:
+            problems.append(f"{len(items)} {what} for {world} devices")
+    if any(rank.memory_capacity_bytes <= 0 for rank in plan.predicted.ranks):
+        problems.append("a memory_capacity_bytes is not positive")
+    if problems:
+        raise InputError(f"{source}: inconsistent plan: {'; '.join(problems)}")
 
 
 def _prediction_to_dict(prediction: Prediction) -> dict[str, Any]:

@@ -15,6 +15,11 @@ def parse_seq_len(text: str | int) -> int:
 
     `k` and `M` are binary (1024, 1024²), as sequence lengths are quoted in the field.
     """
+    if isinstance(text, bool) or not isinstance(text, (int, str)):
+        raise InputError(
+            f"--seq-len {text!r} is not a length; allowed: a whole number of tokens "
+            "(131072) or one with k/M (128k, 1M)"
+        )
     if isinstance(text, int):
         value = text
     else:

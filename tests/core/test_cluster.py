@@ -369,10 +369,9 @@ def test_round_trip_keeps_overrides_and_explicit_intra_node_link():
     assert cluster.devices[3].emulation_slowdown == 3.0
 
 
-# --- known library bugs (strict xfail: these start passing when the bug is fixed) ---------------
+# --- edge cases found in review ---------------
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: an override of a node with itself is kept")
 def test_override_of_a_node_with_itself_is_rejected():
     with pytest.raises(InputError, match=r"overrides"):
         Cluster.from_dict(
@@ -387,7 +386,6 @@ def test_override_of_a_node_with_itself_is_rejected():
         )
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: conflicting overrides of one pair are kept")
 def test_two_overrides_of_one_pair_are_rejected():
     with pytest.raises(InputError, match=r"overrides"):
         Cluster.from_dict(
@@ -408,15 +406,19 @@ def test_two_overrides_of_one_pair_are_rejected():
         )
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: infinite bandwidth passes gt=0")
 def test_infinite_bandwidth_is_rejected(tmp_path):
     path = _write(tmp_path, TWO_NODES + "network: {inter_node_GBps: .inf}\n")
     with pytest.raises(InputError, match=r"network\.inter_node_GBps"):
         Cluster.from_yaml(path)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: count: true is read as 1 (lax bool->int)")
 def test_boolean_count_is_rejected(tmp_path):
     path = _write(tmp_path, "name: c\nnodes:\n  - {name: n0, gpu: H100-SXM, count: true}\n")
     with pytest.raises(InputError, match=r"nodes\[0\]\.count"):
         Cluster.from_yaml(path)
+
+
+def test_intra_node_bandwidth_is_a_float_before_and_after_a_round_trip():
+    cluster = Cluster.preset("h100x8")
+    again = Cluster.from_dict(cluster.to_dict())
+    assert type(cluster.nodes[0].intra_node_GBps) is type(again.nodes[0].intra_node_GBps) is float

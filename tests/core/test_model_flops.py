@@ -118,7 +118,7 @@ def test_train_spec_validation_and_tokens_per_step():
     assert TrainSpec(seq_len=4096, micro_batches=3).tokens_per_step == 12288
     with pytest.raises(InputError, match=r"seq_len must be at least 2"):
         TrainSpec(seq_len=1)
-    with pytest.raises(InputError, match=r"micro_batches must be at least 1"):
+    with pytest.raises(InputError, match=r"micro_batches must be positive"):
         TrainSpec(seq_len=4096, micro_batches=0)
 
 

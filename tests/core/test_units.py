@@ -29,7 +29,9 @@ def test_parse_seq_len_accepts(text, tokens):
     assert type(value) is int
 
 
-@pytest.mark.parametrize("text", ["", "   ", "abc", "1.5M", "-5", "1G", "k", "12kk", "1e6", "0x10"])
+@pytest.mark.parametrize(
+    "text", ["", "   ", "abc", "1.5M", "-5", "1G", "k", "12kk", "1e6", "0x10"]
+)
 def test_parse_seq_len_rejects_non_lengths_saying_what_is_allowed(text):
     with pytest.raises(
         InputError, match=r"is not a length; allowed: a whole number of tokens .*128k, 1M"
