@@ -92,6 +92,40 @@ def even_state_fractions(world_size: int) -> list[float]:
     return [1.0 / world_size] * world_size
 
 
+@dataclass(frozen=True, slots=True)
+class RankShape:
+    """What a rank's memory depends on: its tokens, its group's segment, its heads and K/V
+    heads, the largest ring block that visits it (0 with one group), and whether it is a CPU."""
+
+    tokens: int
+    segment: int
+    heads: int
+    kv_heads: int
+    largest_block: int
+    is_cpu: bool = False
+
+
+def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
+    """The `RankShape` of every rank under `layout`."""
+    group_count = len(layout.groups)
+    lengths = [layout.segment_length(g) for g in range(group_count)]
+    largest = max(lengths) if group_count > 1 else 0
+    shapes = []
+    for rank, device in enumerate(cluster.devices):
+        low, high = layout.kv_head_range(rank)
+        shapes.append(
+            RankShape(
+                tokens=layout.num_tokens(rank),
+                segment=lengths[layout.group_of(rank)],
+                heads=layout.num_heads_of(rank),
+                kv_heads=high - low,
+                largest_block=largest,
+                is_cpu=device.gpu == "cpu",
+            )
+        )
+    return shapes
+
+
 def estimate_memory(
     cluster: Cluster,
     model: ModelSpec,
@@ -103,32 +137,27 @@ def estimate_memory(
     (even when None). Returns one `MemoryBreakdown` per rank."""
     fractions = state_fractions or even_state_fractions(layout.world_size)
     return [
-        _rank_memory(cluster, model, train, layout, rank, fractions[rank])
-        for rank in range(layout.world_size)
+        rank_memory(model, train, shape, fraction)
+        for shape, fraction in zip(rank_shapes(cluster, layout), fractions)
     ]
 
 
-def _rank_memory(
-    cluster: Cluster,
-    model: ModelSpec,
-    train: TrainSpec,
-    layout: AttentionLayout,
-    rank: int,
-    state_fraction: float,
+def rank_memory(
+    model: ModelSpec, train: TrainSpec, shape: RankShape, state_fraction: float
 ) -> MemoryBreakdown:
-    tokens = layout.num_tokens(rank)
-    is_cpu = cluster.devices[rank].gpu == "cpu"
+    """Peak memory of one rank of the given shape, by term. Every term is affine in the
+    shape's token counts and in `state_fraction` (the planner's MILP relies on it)."""
     return MemoryBreakdown(
         model_states=model_state_bytes(model, train, state_fraction),
         sharding_buffers=sharding_buffer_bytes(model, train),
-        checkpoints=checkpoint_bytes(model, train, tokens, layout, rank),
-        layer_activations=layer_activation_bytes(model, train, tokens, layout, rank),
-        mlp_activations=mlp_activation_bytes(model, train, tokens),
-        mlp_backward_transients=mlp_backward_bytes(model, train, tokens),
-        attention_backward_transients=attention_backward_bytes(model, train, layout, rank),
-        ring_buffers=ring_buffer_bytes(model, layout, rank),
-        logits=logits_bytes(model, tokens),
-        reserve=CPU_RESERVE_BYTES if is_cpu else GPU_RESERVE_BYTES,
+        checkpoints=checkpoint_bytes(model, train, shape),
+        layer_activations=layer_activation_bytes(model, train, shape),
+        mlp_activations=mlp_activation_bytes(model, train, shape.tokens),
+        mlp_backward_transients=mlp_backward_bytes(model, train, shape.tokens),
+        attention_backward_transients=attention_backward_bytes(model, train, shape),
+        ring_buffers=ring_buffer_bytes(model, shape),
+        logits=logits_bytes(model, shape.tokens),
+        reserve=CPU_RESERVE_BYTES if shape.is_cpu else GPU_RESERVE_BYTES,
     )
 
 
@@ -154,22 +183,18 @@ def sharding_buffer_bytes(model: ModelSpec, train: TrainSpec) -> int:
     return max(layer, head) * train.compute_dtype_bytes
 
 
-def checkpoint_bytes(
-    model: ModelSpec, train: TrainSpec, tokens: int, layout: AttentionLayout, rank: int
-) -> int:
+def checkpoint_bytes(model: ModelSpec, train: TrainSpec, shape: RankShape) -> int:
     """Activations kept through the forward pass.
 
     With full activation checkpointing only each layer's input (hidden per token) is kept
     (Chen et al. 2016; Korthikanti et al. 2022 §4); without it every layer keeps its working set.
     """
     if train.activation_checkpointing:
-        return model.layers * tokens * model.hidden * train.compute_dtype_bytes
-    return model.layers * layer_activation_bytes(model, train, tokens, layout, rank)
+        return model.layers * shape.tokens * model.hidden * train.compute_dtype_bytes
+    return model.layers * layer_activation_bytes(model, train, shape)
 
 
-def layer_activation_bytes(
-    model: ModelSpec, train: TrainSpec, tokens: int, layout: AttentionLayout, rank: int
-) -> int:
+def layer_activation_bytes(model: ModelSpec, train: TrainSpec, shape: RankShape) -> int:
     """Activations one layer saves for its backward pass on this rank.
 
     What autograd keeps for a Llama block with FlashAttention (no s² scores; Korthikanti et al.
@@ -181,17 +206,11 @@ def layer_activation_bytes(
     the output of this rank's heads over its group's whole segment, plus FP32 log-sum-exp.
     """
     per_token = 3 * model.hidden + model.heads * model.head_dim
-    sequence_part = tokens * per_token * train.compute_dtype_bytes
-    segment = layout.segment_length(layout.group_of(rank))
-    heads = layout.num_heads_of(rank)
-    kv_heads = _kv_head_count(layout, rank)
-    head_part = segment * (2 * heads + 2 * kv_heads) * model.head_dim * train.compute_dtype_bytes
-    return (
-        sequence_part
-        + head_part
-        + segment * heads * FP32
-        + mlp_activation_bytes(model, train, tokens)
-    )
+    sequence_part = shape.tokens * per_token * train.compute_dtype_bytes
+    heads, kv_heads = shape.heads, shape.kv_heads
+    per_segment_token = (2 * heads + 2 * kv_heads) * model.head_dim * train.compute_dtype_bytes
+    head_part = shape.segment * (per_segment_token + heads * FP32)
+    return sequence_part + head_part + mlp_activation_bytes(model, train, shape.tokens)
 
 
 def mlp_activation_bytes(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
@@ -204,37 +223,24 @@ def mlp_backward_bytes(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
     return tokens * 3 * model.ffn_hidden * train.compute_dtype_bytes
 
 
-def attention_backward_bytes(
-    model: ModelSpec, train: TrainSpec, layout: AttentionLayout, rank: int
-) -> int:
+def attention_backward_bytes(model: ModelSpec, train: TrainSpec, shape: RankShape) -> int:
     """dq/dk/dv of this rank's heads over its segment plus FlashAttention's FP32 dq
     accumulator (Dao 2023, §3.2). By then the MLP's activations are freed."""
-    segment = layout.segment_length(layout.group_of(rank))
-    heads = layout.num_heads_of(rank)
-    kv_heads = _kv_head_count(layout, rank)
+    heads, kv_heads = shape.heads, shape.kv_heads
     per_token = (heads + 2 * kv_heads) * train.compute_dtype_bytes + heads * FP32
-    return segment * model.head_dim * per_token
+    return shape.segment * model.head_dim * per_token
 
 
-def ring_buffer_bytes(model: ModelSpec, layout: AttentionLayout, rank: int) -> int:
+def ring_buffer_bytes(model: ModelSpec, shape: RankShape) -> int:
     """Ring attention's in-flight blocks in the backward pass (the larger of the two passes).
 
     The K/V block in hand and the next one (BF16, double-buffered), each with its travelling
     FP32 dK/dV accumulators, sized for the largest block that visits (Liu et al. 2023, Ring
     Attention; ring-flash-attention keeps dK/dV in FP32 while they travel).
     """
-    if len(layout.groups) == 1:
-        return 0
-    largest_block = max(layout.segment_length(g) for g in range(len(layout.groups)))
-    kv_heads = _kv_head_count(layout, rank)
-    return 2 * largest_block * 2 * kv_heads * model.head_dim * (2 + FP32)
+    return 2 * shape.largest_block * 2 * shape.kv_heads * model.head_dim * (2 + FP32)
 
 
 def logits_bytes(model: ModelSpec, tokens: int) -> int:
     """LM-head logits of this rank's tokens for the cross-entropy loss and its gradient."""
     return tokens * model.vocab * LOGITS_BYTES_PER_ELEMENT
-
-
-def _kv_head_count(layout: AttentionLayout, rank: int) -> int:
-    low, high = layout.kv_head_range(rank)
-    return high - low
