@@ -5,131 +5,137 @@ ranks began step i - 1 (communication is posted one step ahead) and crosses the 
 between the sending and the receiving rank. In the backward pass the block's partial dK/dV
 travel with it: they leave a rank only when its step is done, and after the last step they
 make one more hop, back to the group that owns the block.
+
+The steps depend on each other, so they run in order, but every step is computed for all ranks
+at once from [step, rank] tables that are built once per plan (`build_ring_tables`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from hexiseq.costmodel._state import Ledger, SimContext
-from hexiseq.costmodel._traffic import BF16, FP32, RingHop, ring_hops
-from hexiseq.layout import causal_pair_count
+from hexiseq.costmodel._pairs import causal_pair_matrix, rows_by_step
+from hexiseq.costmodel._state import Ledger, SimContext, per_gpu_type
+from hexiseq.costmodel._traffic import BF16, FP32, RingSenders, ring_senders
+
+
+@dataclass(frozen=True)
+class RingTables:
+    """Per-plan constants of the ring passes, as [step, rank] tables (step 0: own block)."""
+
+    senders: RingSenders | None  # None with one group (no ring hops)
+    forward_s: np.ndarray  # [step, rank] forward attention compute
+    backward_s: np.ndarray  # [step, rank] backward attention compute
+    kv_time_s: np.ndarray  # [step, rank] arrival of the K/V block (BF16) after it is posted
+    dkv_time_s: np.ndarray  # [step, rank] same for its FP32 dK/dV; step 0: the return hop
+
+    @property
+    def step_count(self) -> int:
+        return self.forward_s.shape[0]
+
+
+def build_ring_tables(context: SimContext) -> RingTables:
+    """Compute and transfer time of every rank at every ring step of `context`'s layout."""
+    group_count = len(context.layout.groups)
+    pairs = rows_by_step(causal_pair_matrix(context.layout, context.group_of))
+    forward_s = _step_major(_attention_times(context, pairs, backward=False))
+    backward_s = _step_major(_attention_times(context, pairs, backward=True))
+    if group_count == 1:
+        nothing = np.zeros_like(forward_s)
+        return RingTables(None, forward_s, backward_s, nothing, nothing)
+    senders = ring_senders(context.layout)
+    lengths = np.broadcast_to(context.segment_lengths, (group_count, group_count))
+    block_tokens = rows_by_step(lengths)  # [group, step] tokens of the block in hand
+    return RingTables(
+        senders,
+        forward_s,
+        backward_s,
+        _step_major(_transfer_times(context, senders, block_tokens, BF16)),
+        _step_major(_transfer_times(context, senders, block_tokens, FP32)),
+    )
 
 
 def ring_pass(
-    context: SimContext, ledger: Ledger, ring_start: np.ndarray, *, backward: bool
+    tables: RingTables, ledger: Ledger, ring_start: np.ndarray, *, backward: bool
 ) -> np.ndarray:
     """All ring steps of one attention pass; returns each rank's finish time."""
-    layout = context.layout
-    group_count = len(layout.groups)
-    compute = _ring_compute(context, backward=backward)  # [step, rank]
-    ledger.add("attention_s", compute.sum(axis=0))
+    compute = tables.backward_s if backward else tables.forward_s
+    compute_total = compute.sum(axis=0)
+    ledger.add("attention_s", compute_total)
     start, end = ring_start.copy(), ring_start + compute[0]
-    if group_count > 1:
-        hops, heads_out = ring_hops(layout)
-        kv_time, dkv_time = _ring_transfer_times(context, hops, heads_out)
-        for step in range(1, group_count):
-            start, end = _ring_step(
-                context,
-                hops,
-                step,
-                start,
-                end,
-                compute[step],
-                kv_time[step],
-                dkv_time[step] if backward else None,
-            )
-        if backward:
-            end = _return_gradients(context, hops, end, dkv_time[0])
-    exposed = np.maximum(0.0, end - ring_start - compute.sum(axis=0))  # no -1e-17 rounding
+    for step in range(1, tables.step_count):
+        dkv_time = tables.dkv_time_s[step] if backward else None
+        start, end = _ring_step(
+            tables.senders, start, end, compute[step], tables.kv_time_s[step], dkv_time
+        )
+    if backward and tables.senders is not None:  # dK/dV go home once the last step is done
+        end = np.maximum(end, tables.senders.latest(end) + tables.dkv_time_s[0])
+    exposed = np.maximum(0.0, end - ring_start - compute_total)  # no -1e-17 rounding
     ledger.add("ring_exposed_comm_s", exposed)
     return end
 
 
 def _ring_step(
-    context: SimContext,
-    hops: dict[int, RingHop],
-    step: int,
+    senders: RingSenders,
     prev_start: np.ndarray,
     prev_end: np.ndarray,
     compute: np.ndarray,
     kv_time: np.ndarray,
     dkv_time: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Step `step`: the block was posted when sender and receiver began the previous step."""
-    world = context.layout.world_size
-    start, end = np.empty(world), np.empty(world)
-    for rank in range(world):
-        senders = list(hops[rank].senders)
-        posted = max(prev_start[rank], float(np.max(prev_start[senders])))
-        start[rank] = max(prev_end[rank], posted + kv_time[rank])
-        end[rank] = start[rank] + compute[rank]
-        if dkv_time is not None:  # partial dK/dV leave the sender only when its step is done
-            end[rank] = max(end[rank], float(np.max(prev_end[senders])) + dkv_time[rank])
+    """One step for all ranks: the block was posted when sender and receiver began the
+    previous step; it starts when the block is in and the previous step is done."""
+    posted = np.maximum(prev_start, senders.latest(prev_start))
+    start = np.maximum(prev_end, posted + kv_time)
+    end = start + compute
+    if dkv_time is not None:  # partial dK/dV leave the sender only when its step is done
+        end = np.maximum(end, senders.latest(prev_end) + dkv_time)
     return start, end
 
 
-def _return_gradients(
-    context: SimContext, hops: dict[int, RingHop], end: np.ndarray, dkv_time: np.ndarray
+def _attention_times(context: SimContext, pairs: np.ndarray, *, backward: bool) -> np.ndarray:
+    """[rank, step] attention time: the rank's heads over the (query, key) pairs
+    `pairs[group, step]` of its group."""
+    cost, head_dim = context.cost, context.model.head_dim
+
+    def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+        rank_pairs = pairs[context.group_of[ranks]]
+        heads = context.heads[ranks, None]
+        return cost.attention_time_s(gpu, rank_pairs, heads, head_dim, backward=backward)
+
+    return per_gpu_type(context, seconds_of, trailing_shape=pairs.shape[1:])
+
+
+def _transfer_times(
+    context: SimContext, senders: RingSenders, block_tokens: np.ndarray, element_bytes: int
 ) -> np.ndarray:
-    """After the last step each block's dK/dV make one more hop, back to their owner group."""
-    done = end.copy()
-    for rank in range(context.layout.world_size):
-        senders = list(hops[rank].senders)
-        done[rank] = max(end[rank], float(np.max(end[senders])) + dkv_time[rank])
-    return done
+    """[rank, step] time to receive the block of `block_tokens[group, step]` tokens (K/V, or
+    dK/dV for FP32): `kv_heads_in` heads while each sender sends all its outgoing heads;
+    the slowest sender sets the time."""
+    receivers = senders.receivers
+    per_head = block_tokens[context.group_of[receivers]] * 2 * context.model.head_dim
+    per_head *= element_bytes
+    heads = np.maximum(senders.kv_heads_in[receivers], senders.heads_out[senders.senders])
+    link_nodes = context.node_of[senders.senders], context.node_of[receivers]
+    seconds = context.cost.transfer_time_s(
+        heads[:, None] * per_head,
+        context.bandwidth_GBps[link_nodes][:, None],
+        context.latency_s[link_nodes][:, None],
+    )  # [link, step]
+    if senders.one_per_rank:  # links are ranks already
+        return seconds
+    return np.maximum.reduceat(seconds, senders.first_link, axis=0)
 
 
-def _ring_compute(context: SimContext, *, backward: bool) -> np.ndarray:
-    """Attention time of every rank at every ring step: its heads, its group's queries and the
-    causal (query, key) pairs against the block of the group `step` places back."""
-    layout, model = context.layout, context.model
-    group_count = len(layout.groups)
-    segments = [layout.segment(g) for g in range(group_count)]
-    compute = np.zeros((group_count, layout.world_size))
-    for step in range(group_count):
-        for rank, gpu in enumerate(context.gpus):
-            group = int(context.group_of[rank])
-            origin = (group - step) % group_count
-            pairs = causal_pair_count(segments[group], segments[origin])
-            heads = layout.num_heads_of(rank)
-            seconds = context.cost.attention_time_s(
-                gpu, pairs, heads, model.head_dim, backward=backward
-            )
-            compute[step, rank] = seconds * context.slowdown[rank]
-    return compute
+def _step_major(table: np.ndarray) -> np.ndarray:
+    """[step, rank] contiguous copy of a [rank, step] table, so each ring step reads one row.
 
-
-def _ring_transfer_times(
-    context: SimContext, hops: dict[int, RingHop], heads_out: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """[origin-offset step, rank] transfer time of the K/V block (BF16) and of its dK/dV (FP32)
-    arriving at each rank; index 0 is the final return hop of the backward pass."""
-    layout, model = context.layout, context.model
-    group_count = len(layout.groups)
-    lengths = [layout.segment_length(g) for g in range(group_count)]
-    kv_time = np.zeros((group_count, layout.world_size))
-    dkv_time = np.zeros((group_count, layout.world_size))
-    for step in range(group_count):
-        for rank in range(layout.world_size):
-            origin = (int(context.group_of[rank]) - step) % group_count
-            for table, element in ((kv_time, BF16), (dkv_time, FP32)):
-                per_head = lengths[origin] * 2 * model.head_dim * element
-                table[step, rank] = _hop_time(context, hops[rank], rank, heads_out, per_head)
-    return kv_time, dkv_time
-
-
-def _hop_time(
-    context: SimContext, hop: RingHop, rank: int, heads_out: np.ndarray, per_head: float
-) -> float:
-    """Receiving `hop.kv_heads_in` heads while each sender sends all its outgoing heads."""
-    cluster, cost = context.cluster, context.cost
-    slowest = 0.0
-    for sender in hop.senders:
-        node_a, node_b = context.nodes[sender], context.nodes[rank]
-        bytes_moved = max(hop.kv_heads_in, heads_out[sender]) * per_head
-        seconds = cost.transfer_time_s(
-            bytes_moved, cluster.link_GBps(node_a, node_b), cluster.link_latency_s(node_a, node_b)
-        )
-        slowest = max(slowest, seconds)
-    return slowest
+    Transposed in bands of ranks: a plain transposed copy reads with a stride of a whole row
+    and is several times slower on 1024 x 1024 tables."""
+    band = 64
+    steps = np.empty(table.shape[::-1])
+    for first in range(0, table.shape[0], band):
+        steps[:, first : first + band] = table[first : first + band].T
+    return steps

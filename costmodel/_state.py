@@ -1,11 +1,17 @@
-"""What the step simulator carries between events: per-plan constants and per-rank time books."""
+"""What the step simulator carries between events: per-plan constants and per-rank time books.
+
+Everything the layer simulation reads per rank is gathered once into numpy arrays here, so the
+events can be computed for all ranks at once instead of rank by rank.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from hexiseq.catalog import gpu_spec
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel.base import CostModel
 from hexiseq.layout import AttentionLayout
@@ -21,19 +27,119 @@ BREAKDOWN_KEYS = (
 )
 
 
-@dataclass
+@dataclass(frozen=True)
 class SimContext:
-    """Per-plan constants the layer simulation reads (arrays indexed by rank)."""
+    """Per-plan constants the layer simulation reads (arrays indexed by rank, group or node)."""
 
     cluster: Cluster
     model: ModelSpec
     train: TrainSpec
     layout: AttentionLayout
     cost: CostModel
-    gpus: list[str]
-    nodes: list[str]
-    slowdown: np.ndarray
-    group_of: np.ndarray
+    gpus: list[str]  # [rank] GPU model
+    ranks_by_gpu: dict[str, np.ndarray]  # GPU model -> its ranks, models in order of appearance
+    node_of: np.ndarray  # [rank] index into cluster.nodes
+    bandwidth_GBps: np.ndarray  # [node, node] one-direction link bandwidth per GPU
+    latency_s: np.ndarray  # [node, node] per-message link latency
+    slowdown: np.ndarray  # [rank] emulation slowdown (1 on real GPUs)
+    group_of: np.ndarray  # [rank] ring position of its HP group
+    tokens: np.ndarray  # [rank] tokens owned outside attention (int64)
+    heads: np.ndarray  # [rank] query heads inside attention (int64)
+    kv_heads: np.ndarray  # [rank] K/V heads needed inside attention (int64)
+    segment_lengths: np.ndarray  # [group] tokens of the group's segment (int64)
+    rank_order: np.ndarray  # ranks sorted by group, for per-group reductions
+    group_starts: np.ndarray  # [group] where the group's ranks begin in `rank_order`
+
+    def group_max(self, values: np.ndarray) -> np.ndarray:
+        """[group] largest of the [rank] `values` over each group's members."""
+        return np.maximum.reduceat(values[self.rank_order], self.group_starts)
+
+
+def make_context(
+    cluster: Cluster, model: ModelSpec, train: TrainSpec, layout: AttentionLayout, cost: CostModel
+) -> SimContext:
+    """Gather the per-rank facts of `layout` on `cluster` once (O(N), no rank-by-rank lookups)."""
+    devices = cluster.devices
+    gpus = [d.gpu for d in devices]
+    node_index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    bandwidth_GBps, latency_s = link_matrices(cluster)
+    return SimContext(
+        cluster=cluster,
+        model=model,
+        train=train,
+        layout=layout,
+        cost=cost,
+        gpus=gpus,
+        ranks_by_gpu=_ranks_by_gpu(gpus),
+        node_of=np.array([node_index[d.node] for d in devices], dtype=np.int64),
+        bandwidth_GBps=bandwidth_GBps,
+        latency_s=latency_s,
+        slowdown=np.array([d.emulation_slowdown for d in devices]),
+        **_layout_arrays(layout),
+    )
+
+
+def _layout_arrays(layout: AttentionLayout) -> dict[str, np.ndarray]:
+    """The `SimContext` fields that come from the layout alone, as int64 arrays."""
+    group_count = len(layout.groups)
+    group_of = np.empty(layout.world_size, dtype=np.int64)
+    for group_index, members in enumerate(layout.groups):
+        group_of[list(members)] = group_index
+    tokens = np.array([layout.num_tokens(r) for r in range(layout.world_size)], dtype=np.int64)
+    segment_lengths = np.zeros(group_count, dtype=np.int64)
+    np.add.at(segment_lengths, group_of, tokens)  # a valid layout's ranges are disjoint
+    starts, ends = np.array(layout.head_ranges, dtype=np.int64).T
+    ratio = layout.gqa_ratio
+    rank_order = np.argsort(group_of, kind="stable")
+    return {
+        "group_of": group_of,
+        "tokens": tokens,
+        "heads": ends - starts,
+        "kv_heads": -(-ends // ratio) - starts // ratio,  # `layout.kv_head_range`
+        "segment_lengths": segment_lengths,
+        "rank_order": rank_order,
+        "group_starts": np.searchsorted(group_of[rank_order], np.arange(group_count)),
+    }
+
+
+def link_matrices(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """[node, node] bandwidth (GB/s) and latency (s), as `Cluster.link_GBps` / `link_latency_s`
+    give them, built in one pass instead of one name lookup per pair."""
+    count = len(cluster.nodes)
+    index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    bandwidth = np.full((count, count), float(cluster.inter_node_GBps))
+    latency = np.full((count, count), cluster.inter_node_latency_us * 1e-6)
+    for a, b, gbps in reversed(cluster.overrides):  # reversed: the first matching one wins
+        bandwidth[index[a], index[b]] = bandwidth[index[b], index[a]] = gbps
+    for i, node in enumerate(cluster.nodes):
+        bandwidth[i, i] = node.intra_node_GBps
+        latency[i, i] = gpu_spec(node.gpu).intra_node_latency_us * 1e-6
+    return bandwidth, latency
+
+
+def _ranks_by_gpu(gpus: list[str]) -> dict[str, np.ndarray]:
+    names = np.array(gpus)
+    return {gpu: np.flatnonzero(names == gpu) for gpu in dict.fromkeys(gpus)}
+
+
+def per_gpu_type(
+    context: SimContext,
+    seconds_of: Callable[[str, np.ndarray | slice], np.ndarray],
+    trailing_shape: tuple[int, ...] = (),
+) -> np.ndarray:
+    """[rank, ...] times from `seconds_of(gpu, ranks)`, called once per GPU model with the
+    ranks of that model (an index array, or `slice(None)` when all ranks share one model),
+    scaled by each rank's emulation slowdown. The cost model broadcasts over arrays, so one
+    call covers all ranks of a model; `trailing_shape` is what `seconds_of` returns after
+    the rank axis."""
+    slowdown = context.slowdown.reshape(-1, *(1,) * len(trailing_shape))
+    if len(context.ranks_by_gpu) == 1:
+        (gpu,) = context.ranks_by_gpu
+        return seconds_of(gpu, slice(None)) * slowdown
+    seconds = np.empty((context.layout.world_size, *trailing_shape))
+    for gpu, ranks in context.ranks_by_gpu.items():
+        seconds[ranks] = seconds_of(gpu, ranks) * slowdown[ranks]
+    return seconds
 
 
 class Ledger:

@@ -18,12 +18,32 @@ BF16 = 2
 FP32 = 4
 
 
-@dataclass(frozen=True, slots=True)
-class RingHop:
-    """Who sends which K/V heads to a rank on the ring hop from the previous group."""
+@dataclass(frozen=True)
+class RingSenders:
+    """Who sends K/V heads to each rank on the ring hop from the previous group, as a list of
+    links (sender → receiver) sorted by receiver: rank r's links are
+    `first_link[r] : first_link[r + 1]`; every rank has at least one."""
 
-    senders: tuple[int, ...]
-    kv_heads_in: int  # K/V heads this rank receives per block token
+    senders: np.ndarray  # [link] sending rank, in the previous group (int64)
+    receivers: np.ndarray  # [link] receiving rank (int64)
+    first_link: np.ndarray  # [rank] index of the rank's first link
+    kv_heads_in: np.ndarray  # [rank] K/V heads it receives per block token
+    heads_out: np.ndarray  # [rank] K/V heads per block token it sends on its outgoing hop
+    # [slot][rank] the rank's senders again, one array per slot, padded with its first sender
+    # (a repeated sender changes no maximum): a few gathers beat a reduceat per ring step.
+    sender_columns: tuple[np.ndarray, ...]
+
+    @property
+    def one_per_rank(self) -> bool:
+        """Whether every rank has exactly one sender (link i is rank i's)."""
+        return len(self.senders) == len(self.first_link)
+
+    def latest(self, times: np.ndarray) -> np.ndarray:
+        """[rank] the latest of `times` ([rank]) over each rank's senders."""
+        latest = times[self.sender_columns[0]]
+        for column in self.sender_columns[1:]:
+            np.maximum(latest, times[column], out=latest)
+        return latest
 
 
 def kv_head_counts(layout: AttentionLayout) -> np.ndarray:
@@ -42,29 +62,60 @@ def all_to_all_bytes(
     `q_heads` sends the query-head part (q, or the output/dO on the way back), `kv` the K/V part.
     The reverse direction (head→sequence) is the transpose of the same matrix.
     """
+    index = list(members)
     tokens = np.array([layout.num_tokens(r) for r in members], dtype=np.float64)
     heads = np.array([layout.num_heads_of(r) for r in members], dtype=np.float64)
-    kv_counts = kv_head_counts(layout)[list(members)].astype(np.float64)
-    per_token = heads * q_heads + 2 * kv_counts * kv
-    matrix = np.outer(tokens, per_token) * head_dim * BF16
-    np.fill_diagonal(matrix, 0.0)
+    kv_counts = kv_head_counts(layout)[index].astype(np.float64)
+    matrix = batched_all_to_all_bytes(
+        tokens[None, :], heads[None, :], kv_counts[None, :], head_dim, q_heads=q_heads, kv=kv
+    )
+    return matrix[0]
+
+
+def batched_all_to_all_bytes(
+    tokens: np.ndarray,
+    heads: np.ndarray,
+    kv_heads: np.ndarray,
+    head_dim: int,
+    *,
+    q_heads: bool,
+    kv: bool,
+) -> np.ndarray:
+    """`all_to_all_bytes` of many groups at once: [group, i, j] from [group, member] tokens,
+    query heads and K/V heads (padding members with 0 tokens send and receive nothing)."""
+    per_token = heads * q_heads + 2 * kv_heads * kv
+    matrix = tokens[:, :, None] * per_token[:, None, :] * head_dim * BF16
+    diagonal = np.arange(matrix.shape[1])
+    matrix[:, diagonal, diagonal] = 0.0
     return matrix
 
 
-def ring_hops(layout: AttentionLayout) -> tuple[dict[int, RingHop], np.ndarray]:
+def ring_senders(layout: AttentionLayout) -> RingSenders:
     """For every rank, the ranks of the previous ring group that send it K/V heads; and for
     every rank, how many K/V heads per block token it sends on its outgoing hop."""
-    hops: dict[int, RingHop] = {}
-    heads_out = np.zeros(layout.world_size, dtype=np.int64)
+    world = layout.world_size
+    heads_out, kv_heads_in = [0] * world, [0] * world
+    senders_of: list[list[int]] = [[] for _ in range(world)]
     group_count = len(layout.groups)
     for position, members in enumerate(layout.groups):
         holder = _kv_holders(layout, layout.groups[(position - 1) % group_count])
         for rank in members:
             low, high = layout.kv_head_range(rank)
-            senders = [holder[head] for head in range(low, high)]
-            np.add.at(heads_out, senders, 1)
-            hops[rank] = RingHop(tuple(sorted(set(senders))), high - low)
-    return hops, heads_out
+            for head in range(low, high):
+                heads_out[holder[head]] += 1
+            senders_of[rank] = sorted({holder[head] for head in range(low, high)})
+            kv_heads_in[rank] = high - low
+    counts = np.array([len(senders) for senders in senders_of], dtype=np.int64)
+    width = int(counts.max())
+    padded = np.array([row + row[:1] * (width - len(row)) for row in senders_of])
+    return RingSenders(
+        senders=np.array([s for senders in senders_of for s in senders], dtype=np.int64),
+        receivers=np.repeat(np.arange(world, dtype=np.int64), counts),
+        first_link=np.cumsum(counts) - counts,
+        kv_heads_in=np.array(kv_heads_in, dtype=np.int64),
+        heads_out=np.array(heads_out, dtype=np.int64),
+        sender_columns=tuple(np.ascontiguousarray(column) for column in padded.T),
+    )
 
 
 def _kv_holders(layout: AttentionLayout, members: tuple[int, ...]) -> dict[int, int]:

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from hexiseq.catalog import gpu_spec
+from hexiseq.costmodel.base import FloatOrArray
 
 DATASHEET_LABEL = "datasheet estimate"
 
@@ -21,32 +24,37 @@ LINK_EFFICIENCY = 0.8
 
 @dataclass(frozen=True)
 class DatasheetCostModel:
-    """Op and transfer times from datasheet peaks and published efficiencies."""
+    """Op and transfer times from datasheet peaks and published efficiencies.
+
+    Every method broadcasts over numpy arrays (see `CostModel`)."""
 
     link_efficiency: float = LINK_EFFICIENCY
 
     def label(self, gpu: str) -> str:
         return "measured CPU peak" if gpu_spec(gpu).measured else DATASHEET_LABEL
 
-    def gemm_time_s(self, gpu: str, flops: float) -> float:
+    def gemm_time_s(self, gpu: str, flops: FloatOrArray) -> FloatOrArray:
         spec = gpu_spec(gpu)
         return flops / (spec.peak_flops * spec.gemm_efficiency)
 
     def attention_time_s(
-        self, gpu: str, pairs: float, heads: float, head_dim: int, *, backward: bool
-    ) -> float:
+        self, gpu: str, pairs: FloatOrArray, heads: FloatOrArray, head_dim: int, *, backward: bool
+    ) -> FloatOrArray:
         spec = gpu_spec(gpu)
         # Forward: 4·D FLOPs per pair and head; FlashAttention's backward: 2.5x (see flops.py).
         flops = 4.0 * head_dim * pairs * heads * (2.5 if backward else 1.0)
         efficiency = spec.attention_bwd_efficiency if backward else spec.attention_fwd_efficiency
         return flops / (spec.peak_flops * efficiency)
 
-    def memory_bound_time_s(self, gpu: str, bytes_moved: float) -> float:
+    def memory_bound_time_s(self, gpu: str, bytes_moved: FloatOrArray) -> FloatOrArray:
         return bytes_moved / (gpu_spec(gpu).hbm_GBps * 1e9)
 
     def transfer_time_s(
-        self, bytes_moved: float, bandwidth_GBps: float, latency_s: float
-    ) -> float:
-        if bytes_moved <= 0:
-            return 0.0
-        return latency_s + bytes_moved / (bandwidth_GBps * 1e9 * self.link_efficiency)
+        self, bytes_moved: FloatOrArray, bandwidth_GBps: FloatOrArray, latency_s: FloatOrArray
+    ) -> FloatOrArray:
+        seconds = np.where(
+            np.asarray(bytes_moved) > 0,
+            latency_s + np.divide(bytes_moved, bandwidth_GBps * 1e9 * self.link_efficiency),
+            0.0,  # nothing to send: no message, no latency
+        )
+        return float(seconds) if seconds.ndim == 0 else seconds

@@ -110,13 +110,15 @@ def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
     group_count = len(layout.groups)
     lengths = [layout.segment_length(g) for g in range(group_count)]
     largest = max(lengths) if group_count > 1 else 0
+    # One pass over the groups: `layout.group_of(rank)` per rank would be O(N²) on 1024 ranks.
+    group_of = {rank: g for g, members in enumerate(layout.groups) for rank in members}
     shapes = []
     for rank, device in enumerate(cluster.devices):
         low, high = layout.kv_head_range(rank)
         shapes.append(
             RankShape(
                 tokens=layout.num_tokens(rank),
-                segment=lengths[layout.group_of(rank)],
+                segment=lengths[group_of[rank]],
                 heads=layout.num_heads_of(rank),
                 kv_heads=high - low,
                 largest_block=largest,

@@ -15,6 +15,11 @@ The FSDP all-gather/reduce-scatter of the next layer's weights is a collective o
 domain, so every layer starts in step on all ranks; it overlaps the layer's compute and only
 its excess is exposed. A layer therefore takes as long as its slowest rank, and the step is
 layers x (forward + backward layer) + head + optimizer.
+
+The plan search simulates many candidates on up to 1024 ranks and 1024 ring steps, so every
+event is computed for all ranks at once: what depends on the plan only (linear, all-to-all
+and per-step ring times) is tabulated once with one cost-model call per GPU type, and only the
+ring steps, which wait on each other, run as a loop (benchmarks/simulator_speed.py).
 """
 
 from __future__ import annotations
@@ -24,14 +29,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hexiseq.catalog import gpu_spec
 from hexiseq.cluster import Cluster
-from hexiseq.costmodel._ring import ring_pass
-from hexiseq.costmodel._state import BREAKDOWN_KEYS, Ledger, SimContext
-from hexiseq.costmodel._traffic import (
-    BF16,
-    FP32,
-    all_to_all_bytes,
+from hexiseq.costmodel._all_to_all import all_to_all, all_to_all_durations
+from hexiseq.costmodel._ring import RingTables, build_ring_tables, ring_pass
+from hexiseq.costmodel._state import (
+    BREAKDOWN_KEYS,
+    Ledger,
+    SimContext,
+    make_context,
+    per_gpu_type,
 )
+from hexiseq.costmodel._traffic import BF16, FP32
 from hexiseq.costmodel.base import CostModel
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, even_state_fractions
 from hexiseq.flops import head_flops_per_token
@@ -54,6 +63,18 @@ class StepPrediction:
     cost_model_labels: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _LayerTables:
+    """What every layer's events reuse: per-rank linear times, per-group all-to-all times and
+    the ring tables (all depend on the plan only, not on when an event starts)."""
+
+    before_attention_s: np.ndarray  # [rank] forward norm, q/k/v, RoPE
+    after_attention_s: np.ndarray  # [rank] forward output projection, norm, MLP
+    all_to_all_qkv_s: np.ndarray  # [group] q and K/V into head form (dq/dK/dV back)
+    all_to_all_q_s: np.ndarray  # [group] the query-head part only (output, or dO)
+    ring: RingTables
+
+
 def simulate_step(
     cluster: Cluster,
     model: ModelSpec,
@@ -65,13 +86,15 @@ def simulate_step(
     """Predict one training step of `layout` on `cluster` under `cost`.
 
     `state_fractions` is each rank's share of the sharded model states (even when None).
+    Raises ValueError when the layout does not fit the cluster or the model.
     """
     _check_compatible(cluster, model, layout)
     fractions = list(state_fractions or even_state_fractions(layout.world_size))
-    context = _make_context(cluster, model, train, layout, cost)
+    context = make_context(cluster, model, train, layout, cost)
+    tables = _layer_tables(context)
     layer_ledger = Ledger(layout.world_size)
-    forward_s = _simulate_layer(context, layer_ledger, backward=False)
-    backward_s = _simulate_layer(context, layer_ledger, backward=True)
+    forward_s = _simulate_layer(context, tables, layer_ledger, backward=False)
+    backward_s = _simulate_layer(context, tables, layer_ledger, backward=True)
     _add_sharding_exposure(context, layer_ledger, fractions, forward_s, backward_s)
     ledger = layer_ledger.scaled(model.layers)
     ledger.merge(_head_and_loss(context))
@@ -95,57 +118,55 @@ def _check_compatible(cluster: Cluster, model: ModelSpec, layout: AttentionLayou
         )
 
 
-def _make_context(
-    cluster: Cluster, model: ModelSpec, train: TrainSpec, layout: AttentionLayout, cost: CostModel
-) -> SimContext:
-    devices = cluster.devices
-    group_of = np.array([layout.group_of(r) for r in range(layout.world_size)])
-    return SimContext(
-        cluster=cluster,
-        model=model,
-        train=train,
-        layout=layout,
-        cost=cost,
-        gpus=[d.gpu for d in devices],
-        nodes=[d.node for d in devices],
-        slowdown=np.array([d.emulation_slowdown for d in devices]),
-        group_of=group_of,
+def _layer_tables(context: SimContext) -> _LayerTables:
+    """Everything a layer's events take from the plan alone, computed once per step."""
+    before_s, after_s = _linear_times(context)
+    return _LayerTables(
+        before_attention_s=before_s,
+        after_attention_s=after_s,
+        all_to_all_qkv_s=all_to_all_durations(context, q_heads=True, kv=True),
+        all_to_all_q_s=all_to_all_durations(context, q_heads=True, kv=False),
+        ring=build_ring_tables(context),
     )
 
 
-def _simulate_layer(context: SimContext, ledger: Ledger, *, backward: bool) -> float:
+def _simulate_layer(
+    context: SimContext, tables: _LayerTables, ledger: Ledger, *, backward: bool
+) -> float:
     """One layer's forward, or its backward (recompute included), from an in-step start.
 
     Returns the layer's duration (its slowest rank) and books every rank's time in `ledger`.
     """
-    world = context.layout.world_size
-    start = np.zeros(world)
+    start = np.zeros(context.layout.world_size)
     if backward and context.train.activation_checkpointing:
-        start = _forward_events(context, ledger, start)
-    end = _backward_events(context, ledger, start) if backward else None
-    if end is None:
-        end = _forward_events(context, ledger, start)
+        start = _forward_events(context, tables, ledger, start)
+    if backward:
+        end = _backward_events(context, tables, ledger, start)
+    else:
+        end = _forward_events(context, tables, ledger, start)
     duration = float(np.max(end))
     ledger.add("idle_s", duration - end)
     return duration
 
 
-def _forward_events(context: SimContext, ledger: Ledger, start: np.ndarray) -> np.ndarray:
-    pre, post = _linear_times(context)
-    t = _book(ledger, "linear_s", start, pre)
-    t = _all_to_all(context, ledger, t, q_heads=True, kv=True)
-    t = ring_pass(context, ledger, t, backward=False)
-    t = _all_to_all(context, ledger, t, q_heads=True, kv=False)
-    return _book(ledger, "linear_s", t, post)
+def _forward_events(
+    context: SimContext, tables: _LayerTables, ledger: Ledger, start: np.ndarray
+) -> np.ndarray:
+    t = _book(ledger, "linear_s", start, tables.before_attention_s)
+    t = all_to_all(context, ledger, t, tables.all_to_all_qkv_s)
+    t = ring_pass(tables.ring, ledger, t, backward=False)
+    t = all_to_all(context, ledger, t, tables.all_to_all_q_s)
+    return _book(ledger, "linear_s", t, tables.after_attention_s)
 
 
-def _backward_events(context: SimContext, ledger: Ledger, start: np.ndarray) -> np.ndarray:
-    pre, post = _linear_times(context)
-    t = _book(ledger, "linear_s", start, 2.0 * post)
-    t = _all_to_all(context, ledger, t, q_heads=True, kv=False)
-    t = ring_pass(context, ledger, t, backward=True)
-    t = _all_to_all(context, ledger, t, q_heads=True, kv=True)
-    return _book(ledger, "linear_s", t, 2.0 * pre)
+def _backward_events(
+    context: SimContext, tables: _LayerTables, ledger: Ledger, start: np.ndarray
+) -> np.ndarray:
+    t = _book(ledger, "linear_s", start, 2.0 * tables.after_attention_s)
+    t = all_to_all(context, ledger, t, tables.all_to_all_q_s)
+    t = ring_pass(tables.ring, ledger, t, backward=True)
+    t = all_to_all(context, ledger, t, tables.all_to_all_qkv_s)
+    return _book(ledger, "linear_s", t, 2.0 * tables.before_attention_s)
 
 
 def _book(ledger: Ledger, key: str, start: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -156,80 +177,26 @@ def _book(ledger: Ledger, key: str, start: np.ndarray, seconds: np.ndarray) -> n
 def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
     """Forward time of the parts before attention (norm, q/k/v, RoPE) and after it
     (output projection, residual, norm, SwiGLU MLP), per rank."""
-    model, layout = context.model, context.layout
-    tokens = np.array([layout.num_tokens(r) for r in range(layout.world_size)], dtype=np.float64)
+    model, cost = context.model, context.cost
+    tokens = context.tokens.astype(np.float64)
     qkv_flops = 2.0 * model.hidden * model.head_dim * (model.heads + 2 * model.kv_heads)
     after_flops = 2.0 * model.hidden * (model.heads * model.head_dim + 3 * model.ffn_hidden)
     # Bytes read + written by the bandwidth-bound kernels, per token (BF16): RMSNorm (2x hidden
     # in and out), RoPE on q and k, residual add, second RMSNorm, SwiGLU (gate, up in; out).
     qkv_bytes = BF16 * (2 * model.hidden + 2 * (model.heads + model.kv_heads) * model.head_dim)
     after_bytes = BF16 * (3 * model.hidden + 2 * model.hidden + 3 * model.ffn_hidden)
-    pre = np.empty(layout.world_size)
-    post = np.empty(layout.world_size)
-    for rank, gpu in enumerate(context.gpus):
-        cost, n = context.cost, tokens[rank]
-        pre[rank] = cost.gemm_time_s(gpu, qkv_flops * n) + cost.memory_bound_time_s(
-            gpu, qkv_bytes * n
-        )
-        post[rank] = cost.gemm_time_s(gpu, after_flops * n) + cost.memory_bound_time_s(
+
+    def pre(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+        n = tokens[ranks]
+        return cost.gemm_time_s(gpu, qkv_flops * n) + cost.memory_bound_time_s(gpu, qkv_bytes * n)
+
+    def post(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+        n = tokens[ranks]
+        return cost.gemm_time_s(gpu, after_flops * n) + cost.memory_bound_time_s(
             gpu, after_bytes * n
         )
-    return pre * context.slowdown, post * context.slowdown
 
-
-def _all_to_all(
-    context: SimContext, ledger: Ledger, ready: np.ndarray, *, q_heads: bool, kv: bool
-) -> np.ndarray:
-    """An all-to-all inside every HP group: it starts when the group's last member is ready."""
-    done = ready.copy()
-    for members in context.layout.groups:
-        index = list(members)
-        sync = float(np.max(ready[index]))
-        duration = _all_to_all_duration(context, members, q_heads=q_heads, kv=kv)
-        ledger.add("idle_s", _scatter(context, index, sync - ready[index]))
-        ledger.add("all_to_all_s", _scatter(context, index, duration))
-        done[index] = sync + duration
-    return done
-
-
-def _scatter(context: SimContext, index: list[int], values: np.ndarray | float) -> np.ndarray:
-    full = np.zeros(context.layout.world_size)
-    full[index] = values
-    return full
-
-
-def _all_to_all_duration(
-    context: SimContext, members: tuple[int, ...], *, q_heads: bool, kv: bool
-) -> float:
-    """Slowest member's send or receive time; same-node and cross-node traffic use their links."""
-    if len(members) == 1:
-        return 0.0
-    matrix = all_to_all_bytes(
-        context.layout, members, context.model.head_dim, q_heads=q_heads, kv=kv
-    )
-    longest = 0.0
-    for i, rank in enumerate(members):
-        for direction in (matrix[i, :], matrix[:, i]):
-            longest = max(longest, _fan_time(context, rank, members, direction))
-    return longest
-
-
-def _fan_time(
-    context: SimContext, rank: int, members: tuple[int, ...], bytes_by_member: np.ndarray
-) -> float:
-    """Time for one rank to send (or receive) its share to every other member of its group."""
-    node = context.nodes[rank]
-    local = sum(b for m, b in zip(members, bytes_by_member) if context.nodes[m] == node)
-    remote = [(m, b) for m, b in zip(members, bytes_by_member) if context.nodes[m] != node]
-    cluster, cost = context.cluster, context.cost
-    time_s = cost.transfer_time_s(
-        local, cluster.link_GBps(node, node), cluster.link_latency_s(node, node)
-    )
-    if remote:
-        slowest = min(cluster.link_GBps(node, context.nodes[m]) for m, _ in remote)
-        latency = cluster.link_latency_s(node, context.nodes[remote[0][0]])
-        time_s = max(time_s, cost.transfer_time_s(sum(b for _, b in remote), slowest, latency))
-    return time_s
+    return per_gpu_type(context, pre), per_gpu_type(context, post)
 
 
 def _add_sharding_exposure(
@@ -253,44 +220,43 @@ def _domain_collective_time(
 ) -> float:
     """All-gather (or reduce-scatter) of `total_bytes` sharded by `fractions` over all ranks:
     each rank receives what it does not own; cross-node traffic goes through its NIC."""
-    cluster, cost = context.cluster, context.cost
-    if len(cluster.nodes) == 1:
-        node = cluster.nodes[0].name
-        bandwidth, latency = cluster.link_GBps(node, node), cluster.link_latency_s(node, node)
+    bandwidth, latency = context.bandwidth_GBps, context.latency_s
+    if len(bandwidth) == 1:
+        slowest_GBps, latency_s = bandwidth[0, 0], latency[0, 0]
     else:
-        names = [n.name for n in cluster.nodes]
-        bandwidth = min(cluster.link_GBps(a, b) for a in names for b in names if a != b)
-        latency = cluster.link_latency_s(names[0], names[1])
+        off_diagonal = ~np.eye(len(bandwidth), dtype=bool)
+        slowest_GBps, latency_s = bandwidth[off_diagonal].min(), latency[0, 1]
     largest_missing = max(1.0 - f for f in fractions) * total_bytes
-    return cost.transfer_time_s(largest_missing, bandwidth, latency)
+    return float(context.cost.transfer_time_s(largest_missing, slowest_GBps, latency_s))
 
 
 def _head_and_loss(context: SimContext) -> Ledger:
     """The LM head's matmul forward + backward (no recompute) and the loss, per rank."""
-    model, layout = context.model, context.layout
-    ledger = Ledger(layout.world_size)
+    model, cost = context.model, context.cost
     flops = head_flops_per_token(model)
-    seconds = np.zeros(layout.world_size)
-    for rank, gpu in enumerate(context.gpus):
-        tokens = layout.num_tokens(rank)
-        seconds[rank] = 3.0 * context.cost.gemm_time_s(gpu, flops * tokens)
-        seconds[rank] += context.cost.memory_bound_time_s(gpu, 3 * tokens * model.vocab * FP32)
-    ledger.add("linear_s", seconds * context.slowdown)
+
+    def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+        tokens = context.tokens[ranks]
+        logits_bytes = 3 * tokens * model.vocab * FP32
+        return 3.0 * cost.gemm_time_s(gpu, flops * tokens) + cost.memory_bound_time_s(
+            gpu, logits_bytes
+        )
+
+    ledger = Ledger(context.layout.world_size)
+    ledger.add("linear_s", per_gpu_type(context, seconds_of))
     return ledger
 
 
 def _optimizer(context: SimContext, fractions: list[float]) -> Ledger:
     """Adam on each rank's shard of the parameters (bandwidth-bound)."""
+    shares = np.asarray(fractions, dtype=np.float64)
+    params = context.model.params
+
+    def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+        return context.cost.memory_bound_time_s(gpu, shares[ranks] * params * ADAM_BYTES_PER_PARAM)
+
     ledger = Ledger(context.layout.world_size)
-    seconds = np.array(
-        [
-            context.cost.memory_bound_time_s(
-                gpu, fractions[r] * context.model.params * ADAM_BYTES_PER_PARAM
-            )
-            for r, gpu in enumerate(context.gpus)
-        ]
-    )
-    ledger.add("linear_s", seconds * context.slowdown)
+    ledger.add("linear_s", per_gpu_type(context, seconds_of))
     return ledger
 
 
@@ -300,12 +266,10 @@ def _prediction(
     memory = estimate_memory(
         context.cluster, context.model, context.train, context.layout, fractions
     )
-    capacity = tuple(context.cluster.gpu(r).memory_bytes for r in range(context.layout.world_size))
-    rank_times = tuple(
-        RankTime(**{key: float(ledger.parts[key][r]) for key in BREAKDOWN_KEYS})
-        for r in range(context.layout.world_size)
-    )
-    labels = {gpu: context.cost.label(gpu) for gpu in dict.fromkeys(context.gpus)}
+    capacity = tuple(gpu_spec(gpu).memory_bytes for gpu in context.gpus)
+    columns = [ledger.parts[key].tolist() for key in BREAKDOWN_KEYS]
+    rank_times = tuple(RankTime(**dict(zip(BREAKDOWN_KEYS, parts))) for parts in zip(*columns))
+    labels = {gpu: context.cost.label(gpu) for gpu in context.ranks_by_gpu}
     tokens = context.train.tokens_per_step
     return StepPrediction(
         step_time_s, tokens / step_time_s, rank_times, tuple(memory), capacity, labels

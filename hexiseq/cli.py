@@ -56,9 +56,60 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument("--no-store", action="store_true", help="do not save the plans")
     plan.add_argument(
+        "--time-budget",
+        type=_positive_float,
+        metavar="SECONDS",
+        help="let the Optuna layer search this long beyond the greedy candidates",
+    )
+    plan.add_argument(
+        "--trials",
+        type=_positive_int,
+        metavar="N",
+        help="Optuna trials in all (deterministic for a given --seed)",
+    )
+    plan.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    plan.add_argument(
+        "--storage",
+        metavar="URL",
+        help="SQLAlchemy URL of the Optuna study (SQLite, PostgreSQL): keeps it, lets workers "
+        "share it and a later run go on with it",
+    )
+    plan.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        metavar="N",
+        help="processes searching one study (needs --storage; default 1)",
+    )
+    plan.add_argument(
+        "--pareto",
+        action="store_true",
+        help="search throughput against memory headroom and print the Pareto front",
+    )
+    plan.add_argument(
         "--no-checkpointing", action="store_true", help="keep all activations (no recompute)"
     )
     return parser
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive (got {text})")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +136,17 @@ def _plan(args: argparse.Namespace) -> int:
     seq_len = parse_seq_len(args.seq_len)
     store = _open_store(args)
     result = plan_search(
-        cluster, model, seq_len, activation_checkpointing=not args.no_checkpointing
+        cluster,
+        model,
+        seq_len,
+        time_budget_s=args.time_budget,
+        n_trials=args.trials,
+        seed=args.seed,
+        storage=args.storage,
+        workers=args.workers,
+        multi_objective=args.pareto,
+        activation_checkpointing=not args.no_checkpointing,
+        show_progress=_wants_progress(args),
     )
     print(format_search_result(result))
     if args.out:
@@ -96,6 +157,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"saved to {store.url} as plan {plan_id} (baselines beside it)")
         store.close()
     return 0
+
+
+def _wants_progress(args: argparse.Namespace) -> bool:
+    """A progress bar (on stderr) for searches that may run longer than a second."""
+    long_search = args.time_budget is not None and args.time_budget > 1 or args.trials is not None
+    return bool(long_search and sys.stderr.isatty())
 
 
 def _open_store(args: argparse.Namespace):

@@ -8,6 +8,7 @@ dataclass with one `Device` per global rank (ranks numbered node by node, in fil
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -148,9 +149,9 @@ class Cluster:
     inter_node_latency_us: float
     overrides: tuple[tuple[str, str, float], ...] = ()
 
-    @property
+    @cached_property
     def devices(self) -> list[Device]:
-        """One `Device` per global rank, node by node in file order."""
+        """One `Device` per global rank, node by node in file order (built once)."""
         devices: list[Device] = []
         for node in self.nodes:
             for local in range(node.count):
@@ -188,10 +189,13 @@ class Cluster:
             return gpu_spec(self._node(node_a).gpu).intra_node_latency_us * 1e-6
         return self.inter_node_latency_us * 1e-6
 
+    @cached_property
+    def _nodes_by_name(self) -> dict[str, Node]:
+        return {node.name: node for node in self.nodes}
+
     def _node(self, name: str) -> Node:
-        for node in self.nodes:
-            if node.name == name:
-                return node
+        if name in self._nodes_by_name:
+            return self._nodes_by_name[name]
         known = ", ".join(node.name for node in self.nodes)
         raise InputError(f"cluster {self.name} has no node '{name}'; nodes: {known}")
 

@@ -87,9 +87,38 @@ def _memory_cell(plan: Plan) -> str:
 
 
 def format_search_result(result: Any) -> str:
-    """The best plan's device table followed by the comparison with the baselines."""
-    return (
+    """The best plan's device table, its knobs, the comparison with the baselines and, for a
+    multi-objective search, the Pareto front."""
+    text = (
         format_plan(result.best)
+        + f"\nknobs: {_format_knobs(result.best.knobs)}"
+        + f"\nsearch: {_format_trials(result.trials)}"
         + "\n\nplan vs baselines (same simulator, same cost model):\n"
         + format_baselines(result.best, result.baselines)
     )
+    if result.pareto:
+        text += "\n\nPareto front (throughput vs memory headroom of the fullest device):\n"
+        text += format_pareto(result.pareto)
+    return text
+
+
+def format_pareto(plans: list[Plan]) -> str:
+    rows = [
+        [
+            f"{p.predicted.tokens_per_s:,.1f}",
+            f"{100 * (1 - p.predicted.max_memory_fraction):.1f}%",
+            _format_knobs(p.knobs),
+        ]
+        for p in sorted(plans, key=lambda p: -p.predicted.tokens_per_s)
+    ]
+    return format_table(["tokens/s", "headroom", "knobs"], rows, right={0, 1})
+
+
+def _format_knobs(knobs: dict) -> str:
+    shown = {k: v for k, v in knobs.items() if k != "hp_group_sizes"}
+    return ", ".join(f"{k}={v}" for k, v in shown.items())
+
+
+def _format_trials(trials: list) -> str:
+    feasible = sum(1 for t in trials if t.tokens_per_s is not None)
+    return f"{len(trials)} candidates scored ({feasible} feasible), baselines included"

@@ -1,7 +1,6 @@
-"""Plan search: candidate layouts, the baselines they must beat, and `plan_search`.
-
-This version is the proportional v0 planner (`proportional.py`); the greedy-global grouping,
-the exact-local MILP and the Optuna layer of DESIGN.md §7 replace it in the search issue.
+"""Plan search (DESIGN.md §7): greedy global grouping and ring order, an exact local MILP
+for heads, segments, token shares and state shares, an Optuna layer over the global choices,
+and the homogeneous baselines every plan is compared with under the same simulator.
 """
 
 from hexiseq.search.api import SearchResult, Trial, plan_search

@@ -11,26 +11,30 @@ from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.baselines import all_baselines
-from hexiseq.search.proportional import node_groupings, plan_for_grouping
+from hexiseq.search.optuna_layer import run_study
 from hexiseq.units import parse_seq_len
 
 
 @dataclass(frozen=True)
 class Trial:
-    """One candidate the search scored: its name and throughput, or why it is infeasible."""
+    """One candidate the search scored: its choices and throughput, or why it cannot run."""
 
     name: str
     tokens_per_s: float | None
     reason: str | None = None
+    params: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class SearchResult:
-    """The best plan, the baselines under the same simulator, and every candidate tried."""
+    """The best plan, the baselines under the same simulator, every trial, the Pareto front
+    (multi-objective searches) and the Optuna study's name."""
 
     best: Plan
     baselines: dict[str, Plan | InfeasiblePlan]
     trials: list[Trial] = field(default_factory=list)
+    pareto: list[Plan] = field(default_factory=list)
+    study_name: str = ""
 
     def speedup_over(self, baseline: str) -> float | None:
         """Predicted throughput ratio best / baseline (None when the baseline is infeasible)."""
@@ -48,21 +52,25 @@ def plan_search(
     time_budget_s: float | None = None,
     seed: int = 0,
     storage: str | None = None,
+    n_trials: int | None = None,
+    workers: int = 1,
+    multi_objective: bool = False,
     cost_model: CostModel | None = None,
     activation_checkpointing: bool = True,
+    study_name: str | None = None,
+    show_progress: bool = False,
 ) -> SearchResult:
     """Find the fastest plan that fits in memory, and score the baselines the same way.
 
-    `cluster` and `model` take objects or preset names (a cluster also a YAML path); `seq_len`
-    takes 131072, "128k" or "1M". This version is deterministic and fast, so `time_budget_s`
-    and `seed` do not change its result; `storage` (an Optuna study URL) belongs to the
-    Optuna layer and is refused until it exists. Raises `InfeasibleError` when no plan fits,
-    saying how much memory is missing and where.
+    `cluster` and `model` take objects or preset names (a cluster also a YAML path);
+    `seq_len` takes 131072, "128k" or "1M". Without `time_budget_s` or `n_trials` only the
+    greedy stage's short list is built (greedy global + MILP local each); with them, the
+    Optuna layer goes on sampling the global choices for that long / that many trials.
+    `seed` makes the sampling deterministic for a given `n_trials`; `storage` (SQLAlchemy
+    URL) keeps the study and lets `workers` processes share it. Raises `InfeasibleError`
+    when no plan fits, saying how much memory is missing and where.
     """
-    if storage is not None:
-        raise InputError("storage= is for the Optuna search layer, which this version lacks")
-    if time_budget_s is not None and time_budget_s <= 0:
-        raise InputError(f"time_budget_s must be positive (got {time_budget_s})")
+    _check_options(time_budget_s, n_trials, workers, storage)
     problem = Problem(
         cluster=cluster if isinstance(cluster, Cluster) else Cluster.load(cluster),
         model=model if isinstance(model, ModelSpec) else ModelSpec.preset(model),
@@ -72,31 +80,44 @@ def plan_search(
         cost=cost_model or DatasheetCostModel(),
     )
     baselines = all_baselines(problem)
-    candidates = _candidates(problem, baselines)
-    trials = [_trial(c) for c in candidates]
+    outcome = run_study(
+        problem,
+        n_trials=n_trials,
+        time_budget_s=time_budget_s,
+        seed=seed,
+        storage=storage,
+        study_name=study_name,
+        workers=workers,
+        multi_objective=multi_objective,
+        show_progress=show_progress,
+    )
+    trials = [_trial(params, plan) for params, plan in outcome.plans]
+    trials += [_trial({}, b) for b in baselines.values()]
+    candidates = [plan for _, plan in outcome.plans] + list(baselines.values())
     feasible = [c for c in candidates if isinstance(c, Plan)]
     if not feasible:
         raise InfeasibleError(
             _infeasible_message(problem, candidates), _closest_missing(candidates)
         )
     best = max(feasible, key=lambda plan: plan.predicted.tokens_per_s)
-    return SearchResult(best=best, baselines=baselines, trials=trials)
+    return SearchResult(best, baselines, trials, outcome.pareto, outcome.study_name)
 
 
-def _candidates(problem: Problem, baselines: dict) -> list[Plan | InfeasiblePlan]:
-    """Asymmetric plans for every in-node grouping, plus the baselines themselves, so the
-    search never returns something worse than a homogeneous system would run."""
-    asymmetric = [
-        plan_for_grouping(problem, groups, f"hexiseq (hp={degree})")
-        for degree, groups in node_groupings(problem).items()
-    ]
-    return asymmetric + list(baselines.values())
+def _check_options(time_budget_s, n_trials, workers, storage) -> None:
+    if time_budget_s is not None and time_budget_s <= 0:
+        raise InputError(f"time budget must be positive seconds (got {time_budget_s})")
+    if n_trials is not None and n_trials < 1:
+        raise InputError(f"n_trials must be at least 1 (got {n_trials})")
+    if workers < 1:
+        raise InputError(f"workers must be at least 1 (got {workers})")
+    if workers > 1 and storage is None:
+        raise InputError("several workers share a study through storage=; give a storage URL")
 
 
-def _trial(candidate: Plan | InfeasiblePlan) -> Trial:
+def _trial(params: dict, candidate: Plan | InfeasiblePlan) -> Trial:
     if isinstance(candidate, Plan):
-        return Trial(candidate.name, candidate.predicted.tokens_per_s)
-    return Trial(candidate.name, None, candidate.reason)
+        return Trial(candidate.name, candidate.predicted.tokens_per_s, None, dict(params))
+    return Trial(candidate.name, None, candidate.reason, dict(params))
 
 
 def _closest_missing(candidates: list) -> dict[int, int]:

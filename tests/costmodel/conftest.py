@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 
 
@@ -25,10 +26,12 @@ class RoundNumberCost:
         return pairs * heads * self.seconds_per_pair_head * (2.0 if backward else 1.0)
 
     def memory_bound_time_s(self, gpu: str, bytes_moved: float) -> float:
-        return 0.0
+        return 0.0 * bytes_moved  # free, in the shape of `bytes_moved`
 
     def transfer_time_s(self, bytes_moved, bandwidth_GBps, latency_s):
-        return bytes_moved / (bandwidth_GBps * 1e9) + (latency_s if bytes_moved else 0.0)
+        # Broadcasts over arrays as the CostModel protocol asks (no `if` on the bytes).
+        latency = np.where(np.asarray(bytes_moved) != 0, latency_s, 0.0)
+        return bytes_moved / (bandwidth_GBps * 1e9) + latency
 
 
 @pytest.fixture

@@ -73,7 +73,7 @@ def test_emulated_slow_ranks_get_less_work():
 
 
 def test_uneven_heads_when_not_divisible():
-    # 7 heads over HP groups of 2: the proportional planner splits them 4 + 3.
+    # 7 heads over HP groups of 2 ranks: split 4 + 3.
     result = plan_search("cpu-emulated-2type", "tiny-7h", 4096)
     for plan in [result.best]:
         counts = {a.heads for a in plan.assignments}
@@ -94,8 +94,10 @@ def test_bad_arguments_are_input_errors():
         plan_search("h100x8", "gpt-9", "128k")
     with pytest.raises(InputError, match="neither a YAML file nor a preset"):
         plan_search("no-such-cluster", "tiny", "128k")
-    with pytest.raises(InputError, match="storage= is for the Optuna"):
-        plan_search("h100x8", "tiny", "128k", storage="sqlite:///x.db")
+    with pytest.raises(InputError, match="several workers share a study through storage="):
+        plan_search("h100x8", "tiny", "128k", workers=2)
+    with pytest.raises(InputError, match="time budget must be positive"):
+        plan_search("h100x8", "tiny", "128k", time_budget_s=0)
 
 
 def test_top_level_api_is_lazy_and_complete():

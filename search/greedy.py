@@ -1,0 +1,239 @@
+"""Greedy global stage: HP groups inside high-bandwidth domains, and the ring order.
+
+The choices it fixes (`GlobalChoices`: HP degree per GPU type, ring-order strategy, chunk
+quantum, activation checkpointing) are what the Optuna layer samples; `default_choices` is
+the greedy pick that is tried first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hexiseq.cluster import Cluster
+from hexiseq.model import ModelSpec
+from hexiseq.search._evaluate import Problem
+
+Group = tuple[int, ...]
+RING_ORDERS = ("bandwidth", "file", "fastest-first", "interleaved")
+# Ulysses all-to-alls move (d-1)/d of every layer's q, k, v and output through the node's
+# links, ring attention moves K/V blocks behind compute; an HP group spanning the node pays
+# off when the node's link is clearly faster than the network (NVLink vs NIC), not on PCIe.
+HP_LINK_ADVANTAGE = 4.0
+UNIT_PAIRS = 1e9  # any size: a datasheet model is linear, a fitted one is read at scale
+
+
+@dataclass(frozen=True)
+class GlobalChoices:
+    """The discrete decisions of the global stage."""
+
+    hp_degrees: dict[str, int] = field(hash=False)
+    ring_order: str = "bandwidth"
+    chunk_quantum: int | None = None  # None: `auto_chunk_quantum`
+    activation_checkpointing: bool = True
+
+    def key(self) -> tuple:
+        """A hashable identity (for caching trials that repeat a choice)."""
+        degrees = tuple(sorted(self.hp_degrees.items()))
+        return degrees, self.ring_order, self.chunk_quantum, self.activation_checkpointing
+
+
+def nodes_by_name(cluster: Cluster) -> dict[str, list[int]]:
+    """Ranks of every node, nodes in file order: the high-bandwidth domains."""
+    nodes: dict[str, list[int]] = {}
+    for device in cluster.devices:
+        nodes.setdefault(device.node, []).append(device.rank)
+    return nodes
+
+
+def candidate_hp_degrees(cluster: Cluster, model: ModelSpec, gpu: str) -> list[int]:
+    """HP degrees worth trying for one GPU type: 1 up to its largest node (at most the head
+    count); a degree that does not divide a node leaves a smaller last group there."""
+    sizes = [node.count for node in cluster.nodes if node.gpu == gpu]
+    largest = min(max(sizes), model.heads)
+    return list(range(1, largest + 1))
+
+
+def default_choices(
+    cluster: Cluster, model: ModelSpec, checkpointing: bool = True
+) -> GlobalChoices:
+    """Greedy pick: a type's HP group spans its node when the node link is well faster than
+    the network (or the cluster is one node), else pure ring (HP degree 1)."""
+    degrees = {}
+    for gpu in cluster.gpu_types:
+        nodes = [node for node in cluster.nodes if node.gpu == gpu]
+        fast_link = len(cluster.nodes) == 1 or all(
+            node.intra_node_GBps >= HP_LINK_ADVANTAGE * cluster.inter_node_GBps for node in nodes
+        )
+        degrees[gpu] = max(candidate_hp_degrees(cluster, model, gpu)) if fast_link else 1
+    return GlobalChoices(degrees, "bandwidth", None, checkpointing)
+
+
+def greedy_candidates(
+    cluster: Cluster, model: ModelSpec, checkpointing: bool = True
+) -> list[GlobalChoices]:
+    """The greedy stage's short list, best guess first: the link rule of `default_choices`,
+    then every type at the same HP degree (1, 2, 4, ... up to the largest node), each capped
+    at what a type's nodes and the head count allow."""
+    first = default_choices(cluster, model, checkpointing)
+    largest = max(max(candidate_hp_degrees(cluster, model, gpu)) for gpu in cluster.gpu_types)
+    degrees, d = [], 1
+    while d < largest:
+        degrees.append(d)
+        d *= 2
+    degrees.append(largest)
+    candidates = [first]
+    for degree in degrees:
+        capped = {
+            gpu: min(degree, max(candidate_hp_degrees(cluster, model, gpu)))
+            for gpu in cluster.gpu_types
+        }
+        choice = GlobalChoices(capped, "bandwidth", None, checkpointing)
+        if all(choice.key() != c.key() for c in candidates):
+            candidates.append(choice)
+    return candidates
+
+
+def form_groups(cluster: Cluster, hp_degrees: dict[str, int]) -> dict[str, list[Group]]:
+    """HP groups of each node: consecutive ranks, `hp_degrees[gpu]` at a time."""
+    groups = {}
+    for node in cluster.nodes:
+        ranks = nodes_by_name(cluster)[node.name]
+        degree = hp_degrees[node.gpu]
+        groups[node.name] = [tuple(ranks[i : i + degree]) for i in range(0, len(ranks), degree)]
+    return groups
+
+
+def order_ring(
+    cluster: Cluster,
+    groups_by_node: dict[str, list[Group]],
+    strategy: str,
+    speed: dict[str, float],
+) -> list[Group]:
+    """Groups in ring order. A node's groups stay together (their hops use the node's link);
+    `strategy` orders the nodes; `speed` is each GPU type's relative attention speed."""
+    if strategy not in RING_ORDERS:
+        raise ValueError(f"unknown ring order '{strategy}'; allowed: {', '.join(RING_ORDERS)}")
+    names = list(groups_by_node)
+    gpu_of = {node.name: node.gpu for node in cluster.nodes}
+    if strategy == "bandwidth":
+        names = _bandwidth_order(cluster, names, lambda n: speed[gpu_of[n]])
+    elif strategy == "fastest-first":
+        names = sorted(names, key=lambda n: -speed[gpu_of[n]])
+    elif strategy == "interleaved":
+        names = _interleave(sorted(names, key=lambda n: -speed[gpu_of[n]]))
+    return [group for name in names for group in groups_by_node[name]]
+
+
+def _interleave(ordered: Sequence[str]) -> list[str]:
+    """Fastest, slowest, second fastest, second slowest, ..."""
+    result, low, high = [], 0, len(ordered) - 1
+    while low <= high:
+        result.append(ordered[low])
+        if low != high:
+            result.append(ordered[high])
+        low, high = low + 1, high - 1
+    return result
+
+
+def _bandwidth_order(cluster: Cluster, names: list[str], speed) -> list[str]:
+    """A node cycle whose slowest hop is as fast as possible (bottleneck travelling salesman:
+    nearest neighbour, then 2-opt), turned so that the slowest hop leads into the faster node:
+    the hop into a group carries every block but that group's own, and the fastest group owns
+    the largest segment."""
+    if len(names) <= 2:
+        return sorted(names, key=lambda n: -speed(n))
+    order = _nearest_neighbour(cluster, names)
+    order = _two_opt(cluster, order)
+    return _orient(cluster, order, speed)
+
+
+def _hop_GBps(cluster: Cluster, a: str, b: str) -> float:
+    return cluster.link_GBps(a, b)
+
+
+def _cycle_score(cluster: Cluster, order: Sequence[str]) -> tuple[float, float]:
+    hops = [_hop_GBps(cluster, order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
+    return min(hops), sum(hops)
+
+
+def _nearest_neighbour(cluster: Cluster, names: list[str]) -> list[str]:
+    order, left = [names[0]], names[1:]
+    while left:
+        here = order[-1]
+        nearest = max(left, key=lambda n: (_hop_GBps(cluster, here, n), -left.index(n)))
+        order.append(nearest)
+        left.remove(nearest)
+    return order
+
+
+def _two_opt(cluster: Cluster, order: list[str]) -> list[str]:
+    best, improved = list(order), True
+    while improved:
+        improved = False
+        for i in range(1, len(best) - 1):
+            for j in range(i + 1, len(best)):
+                candidate = best[:i] + best[i : j + 1][::-1] + best[j + 1 :]
+                if _cycle_score(cluster, candidate) > _cycle_score(cluster, best):
+                    best, improved = candidate, True
+    return best
+
+
+def _orient(cluster: Cluster, order: list[str], speed) -> list[str]:
+    """Rotate/reverse the cycle so it starts at the node after its slowest hop, choosing the
+    direction whose slowest hop leads into the faster node."""
+    options = [order, order[::-1]]
+
+    def slowest_hop(cycle: list[str]) -> tuple[float, int]:
+        hops = [(_hop_GBps(cluster, cycle[i - 1], cycle[i]), i) for i in range(len(cycle))]
+        return min(hops)
+
+    def landing_speed(cycle: list[str]) -> float:
+        return speed(cycle[slowest_hop(cycle)[1]])
+
+    cycle = max(options, key=landing_speed)
+    start = slowest_hop(cycle)[1]
+    return cycle[start:] + cycle[:start]
+
+
+def split_heads(total_heads: int, speeds: Sequence[float]) -> list[int]:
+    """Integer heads per member minimizing the slowest member's time max(h_i / speed_i), each
+    at least one: give heads one at a time to the member that would finish its next one
+    soonest (exact for this min-max objective). Ties go to the earlier member."""
+    if total_heads < len(speeds):
+        raise ValueError(f"{total_heads} heads cannot cover {len(speeds)} group members")
+    heads = [1] * len(speeds)
+    for _ in range(total_heads - len(speeds)):
+        member = min(range(len(speeds)), key=lambda i: ((heads[i] + 1) / speeds[i], i))
+        heads[member] += 1
+    return heads
+
+
+def chunk_quantum(seq_len: int, world_size: int) -> int:
+    """Tokens per zigzag quantum: a power of two dividing seq_len / 2, at most 256, small
+    enough that every rank can get several quanta in each of its two chunks."""
+    quantum = 1
+    while (
+        quantum < 256
+        and seq_len % (4 * quantum) == 0
+        and seq_len // (4 * quantum) >= 8 * world_size
+    ):
+        quantum *= 2
+    return quantum
+
+
+def attention_speeds(problem: Problem) -> list[float]:
+    """Pairs per second per head of forward + backward (+ recompute) attention, per rank."""
+    recompute = 1.0 if problem.train.activation_checkpointing else 0.0
+    head_dim = problem.model.head_dim
+    speeds = []
+    for device in problem.cluster.devices:
+        forward = problem.cost.attention_time_s(
+            device.gpu, UNIT_PAIRS, 1, head_dim, backward=False
+        )
+        backward = problem.cost.attention_time_s(
+            device.gpu, UNIT_PAIRS, 1, head_dim, backward=True
+        )
+        seconds = ((1 + recompute) * forward + backward) * device.emulation_slowdown
+        speeds.append(UNIT_PAIRS / seconds)
+    return speeds

@@ -1,0 +1,56 @@
+"""What every cost-model backend must do (the `CostModel` protocol), run on each backend.
+
+The step simulator calls each method once per GPU type with the arrays of all its ranks and
+ring steps, so every backend must broadcast over numpy arrays and give, element by element,
+exactly what the call with plain numbers gives.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hexiseq.costmodel import DatasheetCostModel
+
+PAIRS = np.array([[0, 10, 1_000_000], [5, 12_345, 7]], dtype=np.int64)
+HEADS = np.array([[1], [7]], dtype=np.int64)
+BYTES = np.array([0, 1, 4096, 3 * 10**9], dtype=np.int64)
+BANDWIDTH_GBPS = np.array([900.0, 50.0, 12.5, 25.0])
+LATENCY_S = np.array([2e-6, 1e-5, 0.0, 1e-5])
+
+
+@pytest.fixture(params=["datasheet", "round numbers"])
+def cost(request, round_cost):
+    return DatasheetCostModel() if request.param == "datasheet" else round_cost
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_attention_time_broadcasts_like_scalar_calls(cost, backward):
+    seconds = cost.attention_time_s("H100-SXM", PAIRS, HEADS, 128, backward=backward)
+    assert seconds.shape == PAIRS.shape
+    for (row, column), pairs in np.ndenumerate(PAIRS):
+        heads = int(HEADS[row, 0])
+        expected = cost.attention_time_s("H100-SXM", int(pairs), heads, 128, backward=backward)
+        assert seconds[row, column] == expected
+
+
+def test_gemm_and_memory_bound_times_broadcast_like_scalar_calls(cost):
+    gemm = cost.gemm_time_s("L40S", BYTES.astype(np.float64))
+    memory = cost.memory_bound_time_s("L40S", BYTES)
+    for i, value in enumerate(BYTES.tolist()):
+        assert gemm[i] == cost.gemm_time_s("L40S", float(value))
+        assert memory[i] == cost.memory_bound_time_s("L40S", value)
+
+
+def test_transfer_time_broadcasts_and_is_zero_without_bytes(cost):
+    seconds = cost.transfer_time_s(BYTES[:, None], BANDWIDTH_GBPS, LATENCY_S)
+    assert seconds.shape == (len(BYTES), len(BANDWIDTH_GBPS))
+    assert np.all(seconds[0] == 0.0)  # no bytes: no message, so no latency either
+    for (i, j), value in np.ndenumerate(seconds):
+        scalar = cost.transfer_time_s(int(BYTES[i]), BANDWIDTH_GBPS[j], LATENCY_S[j])
+        assert value == scalar
+
+
+def test_scalar_calls_return_plain_numbers(cost):
+    assert isinstance(cost.transfer_time_s(0, 50.0, 1e-5), float)
+    assert isinstance(cost.transfer_time_s(1024, 50.0, 1e-5), float)

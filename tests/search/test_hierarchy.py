@@ -1,0 +1,182 @@
+"""Greedy global stage, exact local MILP and the Optuna layer."""
+
+from __future__ import annotations
+
+import itertools
+
+import optuna
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hexiseq import Cluster, ModelSpec, Plan, TrainSpec
+from hexiseq.costmodel import DatasheetCostModel
+from hexiseq.costmodel.memory import MEMORY_LIMIT_FRACTION
+from hexiseq.plan import InfeasiblePlan
+from hexiseq.search import plan_search
+from hexiseq.search._evaluate import Problem
+from hexiseq.search.greedy import (
+    GlobalChoices,
+    default_choices,
+    form_groups,
+    greedy_candidates,
+    order_ring,
+    split_heads,
+)
+from hexiseq.search.hierarchy import plan_for_choices
+
+
+def problem_for(cluster: Cluster, model: str, seq_len: int) -> Problem:
+    return Problem(
+        cluster, ModelSpec.preset(model), TrainSpec(seq_len=seq_len), DatasheetCostModel()
+    )
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(min_value=1, max_value=5).flatmap(
+        lambda n: st.tuples(
+            st.integers(min_value=n, max_value=12),
+            st.lists(st.floats(min_value=0.2, max_value=5.0), min_size=n, max_size=n),
+        )
+    )
+)
+def test_split_heads_is_the_exact_min_max(case):
+    heads, speeds = case
+    split = split_heads(heads, speeds)
+    assert sum(split) == heads and min(split) >= 1
+    best = min(
+        max(h / s for h, s in zip(option, speeds))
+        for option in itertools.product(range(1, heads + 1), repeat=len(speeds))
+        if sum(option) == heads
+    )
+    assert max(h / s for h, s in zip(split, speeds)) == pytest.approx(best)
+
+
+def eight_type_cluster() -> Cluster:
+    gpus = ["H100-SXM", "A100-80G", "H200", "L40S", "RTX-4090", "V100-32G", "A800-80G", "B200"]
+    counts = [8, 6, 4, 5, 3, 8, 2, 7]  # odd node sizes on purpose
+    return Cluster.from_dict(
+        {
+            "name": "eight-types",
+            "nodes": [
+                {"name": f"n{i}", "gpu": g, "count": c}
+                for i, (g, c) in enumerate(zip(gpus, counts))
+            ],
+            "network": {"inter_node_GBps": 50, "overrides": [{"a": "n0", "b": "n1", "GBps": 5}]},
+        }
+    )
+
+
+def test_groups_stay_inside_nodes_with_odd_sizes():
+    cluster = eight_type_cluster()
+    groups = form_groups(cluster, {gpu: 4 for gpu in cluster.gpu_types})
+    assert [len(g) for g in groups["n1"]] == [4, 2]  # 6 GPUs at degree 4
+    assert [len(g) for g in groups["n4"]] == [3]  # 3 GPUs at degree 4
+    node_of = {d.rank: d.node for d in cluster.devices}
+    for name, node_groups in groups.items():
+        assert all(node_of[r] == name for g in node_groups for r in g)
+    assert sorted(r for gs in groups.values() for g in gs for r in g) == list(range(43))
+
+
+def test_bandwidth_ring_order_avoids_the_slow_link():
+    cluster = eight_type_cluster()
+    groups = form_groups(cluster, {gpu: 8 for gpu in cluster.gpu_types})
+    speed = {gpu: 1.0 for gpu in cluster.gpu_types}
+    ring = order_ring(cluster, groups, "bandwidth", speed)
+    node_of = {d.rank: d.node for d in cluster.devices}
+    nodes = [node_of[g[0]] for g in ring]
+    hops = {frozenset((nodes[i - 1], nodes[i])) for i in range(len(nodes))}
+    assert frozenset(("n0", "n1")) not in hops  # the 5 GB/s override is never a ring hop
+    # The file order would use it:
+    file_ring = order_ring(cluster, groups, "file", speed)
+    file_nodes = [node_of[g[0]] for g in file_ring]
+    assert file_nodes[:2] == ["n0", "n1"]
+
+
+def test_every_ring_order_is_a_permutation_of_the_groups():
+    cluster = eight_type_cluster()
+    groups = form_groups(cluster, {gpu: 2 for gpu in cluster.gpu_types})
+    speed = {gpu: float(i + 1) for i, gpu in enumerate(cluster.gpu_types)}
+    flat = sorted(g for gs in groups.values() for g in gs)
+    for strategy in ("bandwidth", "file", "fastest-first", "interleaved"):
+        assert sorted(order_ring(cluster, groups, strategy, speed)) == flat
+
+
+def test_greedy_candidates_start_with_the_default_and_are_distinct():
+    cluster = Cluster.preset("mix4-32")
+    model = ModelSpec.preset("llama-30b")
+    candidates = greedy_candidates(cluster, model)
+    assert candidates[0] == default_choices(cluster, model)
+    assert len({c.key() for c in candidates}) == len(candidates)
+
+
+def test_milp_plan_fits_validates_and_handles_uneven_gqa_heads():
+    # 32 query heads / 8 KV heads (GQA 4) over odd node sizes: 6 GPUs at HP degree 6 gives
+    # head counts 6,6,5,5,5,5 and KV heads shared across group members.
+    cluster = eight_type_cluster()
+    problem = problem_for(cluster, "llama3-8b", 512 * 1024)
+    plan = plan_for_choices(problem, GlobalChoices({gpu: 6 for gpu in cluster.gpu_types}))
+    assert isinstance(plan, Plan)
+    layout = plan.layout()
+    layout.validate()
+    assert plan.predicted.max_memory_fraction <= MEMORY_LIMIT_FRACTION
+    assert sum(a.state_fraction for a in plan.assignments) == pytest.approx(1.0)
+    six = [g for g in layout.groups if len(g) == 6][0]
+    assert sorted(layout.num_heads_of(r) for r in six) == [5, 5, 5, 5, 6, 6]
+    kv_ranges = [layout.kv_head_range(r) for r in six]
+    assert any(a[1] > b[0] for a, b in zip(kv_ranges, kv_ranges[1:]))  # a shared boundary
+
+
+def test_milp_infeasible_grouping_reports_missing_bytes():
+    # L40S ranks alone in their groups must hold a big ring block with all 52 heads.
+    cluster = Cluster.preset("mix4-32")
+    problem = problem_for(cluster, "llama-30b", 1024 * 1024)
+    choices = GlobalChoices({"H200": 8, "H100-SXM": 8, "A100-80G": 8, "L40S": 1})
+    plan = plan_for_choices(problem, choices)
+    assert isinstance(plan, InfeasiblePlan)
+    assert plan.reason.startswith("OOM")
+    l40s = {d.rank for d in cluster.devices if d.gpu == "L40S"}
+    assert set(plan.missing_bytes) <= l40s and all(b > 0 for b in plan.missing_bytes.values())
+
+
+def test_seeded_search_is_deterministic():
+    runs = [
+        plan_search("h100x8-a100x8", "llama3-8b", "256k", n_trials=12, seed=7) for _ in range(2)
+    ]
+    assert runs[0].best == runs[1].best
+    assert [t.params for t in runs[0].trials] == [t.params for t in runs[1].trials]
+
+
+def test_search_never_loses_to_the_greedy_default():
+    greedy = plan_search("mix4-32", "llama-30b", "512k")
+    searched = plan_search("mix4-32", "llama-30b", "512k", n_trials=16, seed=1)
+    assert searched.best.predicted.tokens_per_s >= greedy.best.predicted.tokens_per_s
+
+
+def test_storage_keeps_the_study_and_a_later_run_goes_on(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    first = plan_search("h100x8-a100x8", "llama3-8b", "256k", n_trials=6, storage=url)
+    second = plan_search("h100x8-a100x8", "llama3-8b", "256k", n_trials=3, storage=url)
+    study = optuna.load_study(study_name=first.study_name, storage=url)
+    assert first.study_name == second.study_name
+    assert len(study.trials) == 9
+
+
+def test_workers_share_one_study(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    result = plan_search(
+        "h100x8-a100x8", "llama3-8b", "256k", n_trials=8, storage=url, workers=2, seed=3
+    )
+    study = optuna.load_study(study_name=result.study_name, storage=url)
+    assert len(study.trials) >= 8
+    assert isinstance(result.best, Plan)
+
+
+def test_multi_objective_returns_a_pareto_front():
+    result = plan_search("mix4-32", "llama-30b", "512k", n_trials=14, multi_objective=True)
+    front = result.pareto
+    assert front
+    points = [(p.predicted.tokens_per_s, 1 - p.predicted.max_memory_fraction) for p in front]
+    for a in points:
+        assert not any(b[0] >= a[0] and b[1] >= a[1] and b != a for b in points)
