@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
 
 from hexiseq.cluster import Cluster
 from hexiseq.model import ModelSpec
@@ -143,55 +146,62 @@ def _bandwidth_order(cluster: Cluster, names: list[str], speed) -> list[str]:
     the largest segment."""
     if len(names) <= 2:
         return sorted(names, key=lambda n: -speed(n))
-    order = _nearest_neighbour(cluster, names)
-    order = _two_opt(cluster, order)
-    return _orient(cluster, order, speed)
+    order = list(_bandwidth_cycle(cluster, tuple(names)))
+    return [names[i] for i in _orient(order, _link_matrix(cluster, tuple(names)), names, speed)]
 
 
-def _hop_GBps(cluster: Cluster, a: str, b: str) -> float:
-    return cluster.link_GBps(a, b)
+@lru_cache(maxsize=64)
+def _link_matrix(cluster: Cluster, names: tuple[str, ...]) -> np.ndarray:
+    """One-direction GB/s between every pair of nodes."""
+    return np.array([[cluster.link_GBps(a, b) for b in names] for a in names])
 
 
-def _cycle_score(cluster: Cluster, order: Sequence[str]) -> tuple[float, float]:
-    hops = [_hop_GBps(cluster, order[i], order[(i + 1) % len(order)]) for i in range(len(order))]
-    return min(hops), sum(hops)
+@lru_cache(maxsize=64)
+def _bandwidth_cycle(cluster: Cluster, names: tuple[str, ...]) -> tuple[int, ...]:
+    links = _link_matrix(cluster, names)
+    off_diagonal = links[~np.eye(len(names), dtype=bool)]
+    if np.all(off_diagonal == off_diagonal[0]):
+        return tuple(range(len(names)))  # every cycle is as good: keep the file order
+    return tuple(int(i) for i in _two_opt(links, _nearest_neighbour(links)))
 
 
-def _nearest_neighbour(cluster: Cluster, names: list[str]) -> list[str]:
-    order, left = [names[0]], names[1:]
+def _cycle_score(links: np.ndarray, order: np.ndarray) -> tuple[float, float]:
+    hops = links[order, np.roll(order, -1)]
+    return float(hops.min()), float(hops.sum())
+
+
+def _nearest_neighbour(links: np.ndarray) -> np.ndarray:
+    order, left = [0], list(range(1, len(links)))
     while left:
         here = order[-1]
-        nearest = max(left, key=lambda n: (_hop_GBps(cluster, here, n), -left.index(n)))
+        nearest = max(left, key=lambda n: (links[here, n], -n))
         order.append(nearest)
         left.remove(nearest)
-    return order
+    return np.array(order)
 
 
-def _two_opt(cluster: Cluster, order: list[str]) -> list[str]:
-    best, improved = list(order), True
+def _two_opt(links: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Reverse segments while that raises (slowest hop, total bandwidth) of the cycle."""
+    best, best_score, improved = order, _cycle_score(links, order), True
     while improved:
         improved = False
         for i in range(1, len(best) - 1):
             for j in range(i + 1, len(best)):
-                candidate = best[:i] + best[i : j + 1][::-1] + best[j + 1 :]
-                if _cycle_score(cluster, candidate) > _cycle_score(cluster, best):
-                    best, improved = candidate, True
+                candidate = np.concatenate([best[:i], best[i : j + 1][::-1], best[j + 1 :]])
+                score = _cycle_score(links, candidate)
+                if score > best_score:
+                    best, best_score, improved = candidate, score, True
     return best
 
 
-def _orient(cluster: Cluster, order: list[str], speed) -> list[str]:
+def _orient(order: list[int], links: np.ndarray, names: list[str], speed) -> list[int]:
     """Rotate/reverse the cycle so it starts at the node after its slowest hop, choosing the
     direction whose slowest hop leads into the faster node."""
-    options = [order, order[::-1]]
 
-    def slowest_hop(cycle: list[str]) -> tuple[float, int]:
-        hops = [(_hop_GBps(cluster, cycle[i - 1], cycle[i]), i) for i in range(len(cycle))]
-        return min(hops)
+    def slowest_hop(cycle: list[int]) -> tuple[float, int]:
+        return min((links[cycle[i - 1], cycle[i]], i) for i in range(len(cycle)))
 
-    def landing_speed(cycle: list[str]) -> float:
-        return speed(cycle[slowest_hop(cycle)[1]])
-
-    cycle = max(options, key=landing_speed)
+    cycle = max([order, order[::-1]], key=lambda c: speed(names[c[slowest_hop(c)[1]]]))
     start = slowest_hop(cycle)[1]
     return cycle[start:] + cycle[:start]
 

@@ -1,20 +1,26 @@
 """Exact local stage: a MILP (scipy `milp`, HiGHS) for one grouping and ring order.
 
-Integer variables: each group's segment length and each rank's token share, in chunk quanta
-(group g's segment is 2·q·u_g tokens, rank r owns 2·q·t_r of them, q per zigzag chunk);
-continuous: each rank's share f_r of the sharded model states, the step time T, and the
-largest ring block B. Heads are fixed per group beforehand (`greedy.split_heads`, exact for
-the time objective). Minimize T subject to
+Heads are fixed per group beforehand (`greedy.split_heads`, exact for the time objective).
+Groups inside a node hold identical devices, and groups with the same devices, size and head
+split are interchangeable to the linear model below, so the MILP has one integer per *class*
+of such groups rather than one per rank: that keeps it at a few dozen variables for 1024
+GPUs. Group g of class c gets u_c segment units of 2q tokens (q tokens per zigzag chunk),
+split evenly between its identical members; member m of class c holds a share f_cm of the
+sharded model states. Minimize the step time T subject to
 
-    T >= att_r·u_g + lin_r·t_r + a2a_r·u_g          for every rank r in group g
-    Σ u_g = S / 2q,   Σ_{r in g} t_r = u_g,   Σ f_r = 1,   u_g <= B
-    memory_r(t_r, u_g, B, f_r) <= 95 % of capacity   (every phase of the memory model)
+    T >= seg_cm·u_c + tok_cm·u_c/size_c             for every class c and member m
+    Σ_c n_c·u_c <= S/2q <= Σ_c n_c·(u_c + 1)         (leftover units go one per group)
+    Σ_c n_c·Σ_m f_cm = 1,   u_c + 1 <= B
+    memory_cm(tokens, segment, B, f_cm) <= 95 % of capacity (every phase of the memory model)
 
-The time coefficients are the simulator's own per-rank times divided by the loads that drive
-them (a secant through zero at the current operating point), so the MILP and the simulator
-agree on what each device does; `solve_local` re-linearizes at the MILP's answer and solves
-again. The memory model is affine in the loads (`costmodel.memory.rank_memory`), so its
-coefficients are exact. The simulator then scores the result exactly, ring waits included.
+Memory rows count each group's possible extra unit and each member's rounding (+1 unit), so
+the integer layout built afterwards still fits. The time coefficients are the simulator's own
+per-rank times divided by the loads that drive them (a secant through zero at the current
+operating point), so the MILP and the simulator agree on what each device does; `solve_local`
+re-linearizes at the MILP's answer and solves again. The memory model is affine in the loads
+(`costmodel.memory.rank_memory`), so its coefficients are exact. A second MILP keeps the step
+time within `TIME_TOLERANCE` of the optimum and maximizes the fullest device's headroom. The
+simulator then scores the result exactly, ring waits included.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import lil_matrix
+from scipy.sparse import coo_matrix
 
 from hexiseq.costmodel import memory_limit_bytes, simulate_step
 from hexiseq.costmodel.memory import RankShape, rank_memory
@@ -33,291 +39,315 @@ from hexiseq.search._evaluate import Problem
 Group = tuple[int, ...]
 RELINEARIZATIONS = 2
 MILP_TIME_LIMIT_S = 2.0
-MILP_RELATIVE_GAP = 1e-4
+MILP_RELATIVE_GAP = 1e-6
 TIME_TOLERANCE = 1e-4  # the headroom stage may give up this much step time
 
 
 @dataclass(frozen=True)
 class LocalSolution:
-    """The MILP's answer: loads in quanta and state shares, or what memory is missing."""
+    """The MILP's answer as a layout and state shares, or the memory that is missing."""
 
     layout: AttentionLayout | None
     state_fractions: tuple[float, ...] = ()
     missing_bytes: dict[int, int] | None = None
 
 
+@dataclass(frozen=True)
+class _Class:
+    """Interchangeable groups: their ring positions and their (shared) member heads."""
+
+    positions: tuple[int, ...]
+    size: int
+    heads: tuple[int, ...]
+
+
 def solve_local(
     problem: Problem, groups: list[Group], heads: list[list[int]], quantum: int
 ) -> LocalSolution:
     """Best segment lengths, token shares and state shares for fixed groups and heads."""
-    units = problem.train.seq_len // (2 * quantum)
-    loads = _even_loads(groups, units)
-    solution = None
+    classes = _classes(problem, groups, heads)
+    total_units = problem.train.seq_len // (2 * quantum)
+    units = _even_units(groups, total_units)
+    solution = LocalSolution(None)
     for _ in range(RELINEARIZATIONS):
-        layout = _layout(problem, groups, heads, quantum, loads)
-        times = _time_coefficients(problem, layout, groups, loads)
-        solution = _solve(problem, groups, layout, quantum, times)
-        if solution.layout is None:
-            return solution
-        loads = _loads_of(solution.layout, groups, quantum)
+        layout = _layout(problem, groups, heads, quantum, units)
+        model = _Model(problem, groups, classes, layout, quantum)
+        found = model.solve(_time_coefficients(problem, layout, groups, classes, quantum))
+        if found is None:
+            return LocalSolution(None, missing_bytes=model.missing_bytes())
+        class_units, fractions = found
+        units = _group_units(classes, class_units, total_units, len(groups))
+        solved = _layout(problem, groups, heads, quantum, units)
+        solution = LocalSolution(solved, _rank_fractions(groups, classes, fractions))
     return solution
 
 
-def _even_loads(groups: list[Group], units: int) -> tuple[list[int], list[list[int]]]:
-    segment_units = apportion(units, [len(g) for g in groups], minimum=1)
-    token_units = [apportion(u, [1.0] * len(g), minimum=1) for u, g in zip(segment_units, groups)]
-    return segment_units, token_units
+def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
+    devices = problem.cluster.devices
+    members: dict[tuple, list[int]] = {}
+    for position, group in enumerate(groups):
+        kind = tuple((devices[r].gpu, devices[r].emulation_slowdown) for r in group)
+        members.setdefault((kind, tuple(heads[position])), []).append(position)
+    return [
+        _Class(tuple(positions), len(groups[positions[0]]), key[1])
+        for key, positions in members.items()
+    ]
 
 
-def _layout(problem, groups, heads, quantum, loads) -> AttentionLayout:
-    segment_units, token_units = loads
+def _even_units(groups: list[Group], total: int) -> list[int]:
+    """Units in proportion to group size: the starting point of the first linearization."""
+    units = apportion(total, [float(len(g)) for g in groups], minimum=1)
+    if any(u < len(g) for u, g in zip(units, groups)):
+        raise ValueError("the sequence is too short for one quantum per rank")
+    return units
+
+
+def _group_units(
+    classes: list[_Class], class_units: list[int], total: int, count: int
+) -> list[int]:
+    """Each group its class's units; the leftover units one per group, largest classes first."""
+    units = [0] * count
+    for cls, value in zip(classes, class_units):
+        for position in cls.positions:
+            units[position] = value
+    order = sorted(range(count), key=lambda p: (-units[p], p))
+    for position in order[: total - sum(units)]:
+        units[position] += 1
+    return units
+
+
+def _rank_fractions(groups, classes: list[_Class], fractions: list[list[float]]) -> tuple:
+    shares = {}
+    for cls, members in zip(classes, fractions):
+        for position in cls.positions:
+            for rank, share in zip(groups[position], members):
+                shares[rank] = max(share, 0.0)
+    total = sum(shares.values())
+    return tuple(shares[r] / total for r in sorted(shares))
+
+
+def _layout(problem, groups, heads, quantum, units: list[int]) -> AttentionLayout:
     model = problem.model
     return build_zigzag_layout(
         problem.train.seq_len,
         model.heads,
         model.kv_heads,
         groups,
-        [2 * quantum * u for u in segment_units],
-        token_units,
+        [2 * quantum * u for u in units],
+        [[1.0] * len(g) for g in groups],
         heads,
         chunk_quantum=quantum,
     )
 
 
-def _loads_of(layout: AttentionLayout, groups: list[Group], quantum: int):
-    segment_units = [layout.segment_length(g) // (2 * quantum) for g in range(len(groups))]
-    token_units = [[layout.num_tokens(r) // (2 * quantum) for r in group] for group in groups]
-    return segment_units, token_units
-
-
-@dataclass(frozen=True)
-class _Times:
-    """Seconds per quantum of load, per rank: attention and all-to-all per segment unit,
-    linear work per token unit."""
-
-    per_segment: np.ndarray
-    per_token: np.ndarray
-
-
-def _time_coefficients(problem, layout, groups, loads) -> _Times:
+def _time_coefficients(problem, layout, groups, classes, quantum: int) -> list[np.ndarray]:
+    """Per class, per member: busy seconds per segment unit of its group (the member's even
+    token share moves with the segment). The slowest group of a class speaks for it."""
     prediction = simulate_step(problem.cluster, problem.model, problem.train, layout, problem.cost)
-    segment_units, token_units = loads
-    world = layout.world_size
-    per_segment, per_token = np.zeros(world), np.zeros(world)
-    for position, group in enumerate(groups):
-        for index, rank in enumerate(group):
-            part = prediction.rank_times[rank]
-            per_segment[rank] = (part.attention_s + part.all_to_all_s) / segment_units[position]
-            per_token[rank] = part.linear_s / token_units[position][index]
-    return _Times(per_segment, per_token)
+    coefficients = []
+    for cls in classes:
+        per_member = np.zeros(cls.size)
+        for position in cls.positions:
+            units = layout.segment_length(position) / (2 * quantum)
+            for index, rank in enumerate(groups[position]):
+                part = prediction.rank_times[rank]
+                busy = part.attention_s + part.all_to_all_s + part.linear_s
+                per_member[index] = max(per_member[index], busy / units)
+        coefficients.append(per_member)
+    return coefficients
 
 
-class _Index:
-    """Column of each variable: u (groups), t (ranks), f (ranks), B, T, and the largest
-    memory utilization (used / capacity) over all ranks."""
+class _Model:
+    """Builds and solves the class-level MILP; also its memory-slack variant."""
 
-    def __init__(self, group_count: int, world: int) -> None:
-        self.u = np.arange(group_count)
-        self.t = group_count + np.arange(world)
-        self.f = group_count + world + np.arange(world)
-        self.largest = group_count + 2 * world
+    def __init__(self, problem, groups, classes, layout, quantum) -> None:
+        self.problem, self.groups, self.classes = problem, groups, classes
+        self.layout, self.quantum = layout, quantum
+        self.total_units = problem.train.seq_len // (2 * quantum)
+        self.multi_group = len(groups) > 1
+        self.memory = [self._member_memory(cls) for cls in classes]
+        sizes = [len(c.heads) for c in classes]
+        self.u = np.arange(len(classes))
+        starts = len(classes) + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
+        self.f = [start + np.arange(size) for start, size in zip(starts, sizes)]
+        self.largest = len(classes) + sum(sizes)
         self.step = self.largest + 1
         self.utilization = self.step + 1
         self.size = self.utilization + 1
 
+    def solve(self, times: list[np.ndarray]):
+        """(units per class, state share per class member), or None if nothing fits."""
+        rows = _Rows()
+        self._time_rows(rows, times)
+        self._sum_rows(rows)
+        self._memory_rows(rows, slack=None)
+        fastest = self._run(rows, self.step)
+        if fastest is None:
+            return None
+        rows.add({self.step: 1.0}, -np.inf, fastest[self.step] * (1 + TIME_TOLERANCE))
+        roomiest = self._run(rows, self.utilization)
+        x = roomiest if roomiest is not None else fastest
+        units = [int(round(x[c])) for c in self.u]
+        return units, [list(x[columns]) for columns in self.f]
 
-def _solve(problem, groups, layout, quantum, times: _Times) -> LocalSolution:
-    """Two MILPs: the shortest step time T*, then, among plans within a hair of T*, the one
-    with the most memory headroom on its fullest device (states go where memory is free)."""
-    index = _Index(len(groups), layout.world_size)
-    rows = _Rows(index.size)
-    _time_rows(rows, index, groups, times)
-    _balance_rows(rows, index, groups, problem.train.seq_len // (2 * quantum))
-    _twin_rows(rows, index, problem, groups)
-    _memory_rows(rows, index, problem, layout, groups, quantum)
-    fastest = _run_milp(_unit_objective(index, index.step), rows, index, groups)
-    if fastest is None:
-        return LocalSolution(None, missing_bytes=_missing_memory(problem, layout, groups, quantum))
-    rows.add({index.step: 1.0}, -np.inf, fastest[index.step] * (1 + TIME_TOLERANCE))
-    roomiest = _run_milp(_unit_objective(index, index.utilization), rows, index, groups)
-    return _solution(
-        problem, groups, layout, quantum, index, roomiest if roomiest is not None else fastest
-    )
+    def missing_bytes(self) -> dict[int, int]:
+        """Bytes each rank lacks in the least-short split: slack on every memory row."""
+        rows = _Rows()
+        self._sum_rows(rows)
+        slack = self._memory_rows(rows, slack=self.size)
+        objective = np.zeros(self.size + len(slack))
+        weights = [len(self.classes[c].positions) for c, _ in slack]
+        objective[self.size :] = weights
+        result = milp(
+            objective,
+            constraints=rows.constraint(self.size + len(slack)),
+            bounds=self._bounds(extra=len(slack)),
+            integrality=self._integrality(extra=len(slack)),
+            options={"time_limit": MILP_TIME_LIMIT_S},
+        )
+        values = result.x[self.size :] if result.x is not None else np.zeros(len(slack))
+        return self._missing_by_rank(slack, values)
 
+    def _missing_by_rank(self, slack, values) -> dict[int, int]:
+        missing = {}
+        for (c, member), value in zip(slack, values):
+            for position in self.classes[c].positions:
+                rank = self.groups[position][member]
+                lack = int(np.ceil(value * self.problem.cluster.gpu(rank).memory_bytes))
+                if lack > 0:
+                    missing[rank] = lack
+        return missing
 
-def _unit_objective(index: _Index, column: int) -> np.ndarray:
-    objective = np.zeros(index.size)
-    objective[column] = 1.0
-    return objective
+    def _time_rows(self, rows, times: list[np.ndarray]) -> None:
+        for c, per_member in enumerate(times):
+            for seconds_per_unit in per_member:
+                rows.add({int(self.u[c]): seconds_per_unit, self.step: -1.0}, -np.inf, 0.0)
 
+    def _sum_rows(self, rows) -> None:
+        counts = [len(cls.positions) for cls in self.classes]
+        units = {int(self.u[c]): float(n) for c, n in enumerate(counts)}
+        rows.add(units, self.total_units - sum(counts), self.total_units)
+        shares = {int(col): float(n) for n, cols in zip(counts, self.f) for col in cols}
+        rows.add(shares, 1.0, 1.0)
+        if self.multi_group:
+            for c in self.u:
+                rows.add({int(c): 1.0, self.largest: -1.0}, -np.inf, -1.0)
 
-def _twin_rows(rows: _Rows, index: _Index, problem, groups) -> None:
-    """Members of a group on identical devices get token shares within one quantum of each
-    other (without this the MILP may leave the off-critical shares anywhere)."""
-    devices = problem.cluster.devices
-    for group in groups:
-        for a, b in zip(group, group[1:]):
-            same = (devices[a].gpu, devices[a].emulation_slowdown) == (
-                devices[b].gpu,
-                devices[b].emulation_slowdown,
+    def _memory_rows(self, rows, slack: int | None) -> list[tuple[int, int]]:
+        """Memory limit rows (with a slack column each when `slack` gives the first one) and
+        utilization rows, in fractions of the device's capacity (well scaled beside seconds)."""
+        slacks = []
+        for c, _cls in enumerate(self.classes):
+            for member, (phases, capacity) in enumerate(self.memory[c]):
+                if slack is not None:
+                    slacks.append((c, member))
+                for (per_unit, per_largest, per_share), constant in phases:
+                    columns = {
+                        int(self.u[c]): per_unit / capacity,
+                        self.largest: per_largest / capacity,
+                        int(self.f[c][member]): per_share / capacity,
+                    }
+                    limit = (memory_limit_bytes(int(capacity)) - constant) / capacity
+                    if slack is not None:
+                        rows.add({**columns, slack + len(slacks) - 1: -1.0}, -np.inf, limit)
+                    else:
+                        rows.add(columns, -np.inf, limit)
+                        rows.add(
+                            {**columns, self.utilization: -1.0}, -np.inf, -constant / capacity
+                        )
+        return slacks
+
+    def _member_memory(self, cls: _Class):
+        """For each member: each phase of its peak memory as an affine function of (u_c, B,
+        f_cm), with the rounding margins folded into the constant, and its capacity."""
+        position = cls.positions[0]
+        members = []
+        for rank in self.groups[position]:
+            phases = _phases_of(
+                self.problem, self.layout, rank, self.quantum, cls.size, self.multi_group
             )
-            if same:
-                rows.add({int(index.t[a]): 1.0, int(index.t[b]): -1.0}, -1.0, 1.0)
+            members.append((phases, float(self.problem.cluster.gpu(rank).memory_bytes)))
+        return members
+
+    def _run(self, rows, column: int):
+        objective = np.zeros(self.size)
+        objective[column] = 1.0
+        result = milp(
+            objective,
+            constraints=rows.constraint(self.size),
+            bounds=self._bounds(),
+            integrality=self._integrality(),
+            options={"time_limit": MILP_TIME_LIMIT_S, "mip_rel_gap": MILP_RELATIVE_GAP},
+        )
+        return result.x
+
+    def _bounds(self, extra: int = 0) -> Bounds:
+        lower = np.zeros(self.size + extra)
+        upper = np.full(self.size + extra, np.inf)
+        for c, cls in enumerate(self.classes):
+            lower[self.u[c]] = cls.size
+            upper[self.f[c]] = 1.0
+        return Bounds(lower, upper)
+
+    def _integrality(self, extra: int = 0) -> np.ndarray:
+        integrality = np.zeros(self.size + extra)
+        integrality[self.u] = 1
+        return integrality
 
 
-class _Rows:
-    """Sparse constraint rows lower <= A x <= upper, built one at a time."""
-
-    def __init__(self, columns: int) -> None:
-        self.columns = columns
-        self.entries: list[dict[int, float]] = []
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-
-    def add(self, coefficients: dict[int, float], lower: float, upper: float) -> None:
-        self.entries.append(coefficients)
-        self.lower.append(lower)
-        self.upper.append(upper)
-
-    def constraint(self) -> LinearConstraint:
-        matrix = lil_matrix((len(self.entries), self.columns))
-        for row, coefficients in enumerate(self.entries):
-            for column, value in coefficients.items():
-                matrix[row, column] = value
-        return LinearConstraint(matrix.tocsr(), self.lower, self.upper)
-
-
-def _time_rows(rows: _Rows, index: _Index, groups, times: _Times) -> None:
-    for position, group in enumerate(groups):
-        for rank in group:
-            coefficients = {
-                int(index.u[position]): times.per_segment[rank],
-                int(index.t[rank]): times.per_token[rank],
-                index.step: -1.0,
-            }
-            rows.add(coefficients, -np.inf, 0.0)
-
-
-def _balance_rows(rows: _Rows, index: _Index, groups, total_units: int) -> None:
-    rows.add({int(c): 1.0 for c in index.u}, total_units, total_units)
-    rows.add({int(c): 1.0 for c in index.f}, 1.0, 1.0)
-    for position, group in enumerate(groups):
-        coefficients = {int(index.t[r]): 1.0 for r in group}
-        coefficients[int(index.u[position])] = -1.0
-        rows.add(coefficients, 0.0, 0.0)
-        if len(groups) > 1:
-            rows.add({int(index.u[position]): 1.0, index.largest: -1.0}, -np.inf, 0.0)
-
-
-def _memory_rows(rows: _Rows, index: _Index, problem, layout, groups, quantum: int) -> None:
-    for position, group in enumerate(groups):
-        for rank in group:
-            for coefficients, constant in _memory_phases(
-                problem, layout, rank, quantum, len(groups)
-            ):
-                # Rows in fractions of the device's capacity: well scaled next to seconds.
-                capacity = float(problem.cluster.gpu(rank).memory_bytes)
-                columns = {
-                    int(index.t[rank]): coefficients[0] / capacity,
-                    int(index.u[position]): coefficients[1] / capacity,
-                    index.largest: coefficients[2] / capacity,
-                    int(index.f[rank]): coefficients[3] / capacity,
-                }
-                limit = (memory_limit_bytes(int(capacity)) - constant) / capacity
-                rows.add(columns, -np.inf, limit)
-                rows.add({**columns, index.utilization: -1.0}, -np.inf, -constant / capacity)
-
-
-def _memory_phases(problem, layout, rank: int, quantum: int, group_count: int):
-    """Each phase of the peak (persistent + MLP phase, attention phase, logits) as an affine
-    function of (t_r, u_g, B, f_r): coefficients and constant, by exact finite differences."""
+def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group: bool):
+    """Phases (persistent + MLP, persistent + attention + ring, persistent + logits) as
+    ((per segment unit, per largest-block unit, per state share), constant) in bytes, where a
+    member holds (u + 1) / size + 1 token units at most and its segment is u + 1 units."""
     low, high = layout.kv_head_range(rank)
     is_cpu = problem.cluster.devices[rank].gpu == "cpu"
     block = 2 * quantum
 
-    def phases(t: int, u: int, largest: int, fraction: float) -> np.ndarray:
+    def phases(tokens: float, segment: float, largest: float) -> np.ndarray:
         shape = RankShape(
-            t * block,
-            u * block,
+            tokens * block,
+            segment * block,
             layout.num_heads_of(rank),
             high - low,
-            largest * block if group_count > 1 else 0,
+            largest * block if multi_group else 0,
             is_cpu,
         )
-        m = rank_memory(problem.model, problem.train, shape, fraction)
+        m = rank_memory(problem.model, problem.train, shape, 0.0)
         persistent = m.model_states + m.sharding_buffers + m.checkpoints + m.reserve
         mlp = m.layer_activations + m.mlp_backward_transients
         attention = m.layer_activations - m.mlp_activations + m.attention_backward_transients
         return persistent + np.array([mlp, attention + m.ring_buffers, m.logits], dtype=float)
 
-    base = phases(0, 0, 0, 0.0)
-    slopes = [
-        phases(1, 0, 0, 0.0) - base,
-        phases(0, 1, 0, 0.0) - base,
-        phases(0, 0, 1, 0.0) - base,
-    ]
-    state_slope = float(problem.model.params * problem.train.bytes_per_param_state)
-    return [((slopes[0][p], slopes[1][p], slopes[2][p], state_slope), base[p]) for p in range(3)]
+    base = phases(0, 0, 0)
+    per_token = phases(1, 0, 0) - base
+    per_segment = phases(0, 1, 0) - base
+    per_largest = phases(0, 0, 1) - base
+    per_unit = per_token / size + per_segment
+    constant = base + per_token * (1.0 / size + 1.0) + per_segment * 1.0
+    per_share = float(problem.model.params * problem.train.bytes_per_param_state)
+    return [((per_unit[p], per_largest[p], per_share), constant[p]) for p in range(3)]
 
 
-def _run_milp(objective, rows: _Rows, index: _Index, groups):
-    lower = np.zeros(index.size)
-    upper = np.full(index.size, np.inf)
-    integrality = np.zeros(index.size)
-    for position, group in enumerate(groups):
-        lower[index.u[position]] = len(group)
-        for rank in group:
-            lower[index.t[rank]] = 1
-    integrality[index.u] = 1
-    integrality[index.t] = 1
-    upper[index.f] = 1.0
-    result = milp(
-        objective,
-        constraints=rows.constraint(),
-        bounds=Bounds(lower, upper),
-        integrality=integrality,
-        options={"time_limit": MILP_TIME_LIMIT_S, "mip_rel_gap": MILP_RELATIVE_GAP},
-    )
-    return result.x if result.x is not None else None
+class _Rows:
+    """Sparse constraint rows lower <= A x <= upper, built one at a time."""
 
+    def __init__(self) -> None:
+        self.rows: list[int] = []
+        self.columns: list[int] = []
+        self.values: list[float] = []
+        self.lower: list[float] = []
+        self.upper: list[float] = []
 
-def _solution(problem, groups, layout, quantum, index: _Index, x: np.ndarray) -> LocalSolution:
-    segment_units = [int(round(x[c])) for c in index.u]
-    token_units = [[int(round(x[index.t[r]])) for r in group] for group in groups]
-    heads = [[layout.num_heads_of(r) for r in group] for group in groups]
-    solved = _layout(problem, groups, heads, quantum, (segment_units, token_units))
-    fractions = np.clip(x[index.f], 0.0, None)
-    return LocalSolution(solved, tuple(float(v) for v in fractions / fractions.sum()))
+    def add(self, coefficients: dict[int, float], lower: float, upper: float) -> None:
+        row = len(self.lower)
+        for column, value in coefficients.items():
+            self.rows.append(row)
+            self.columns.append(column)
+            self.values.append(value)
+        self.lower.append(lower)
+        self.upper.append(upper)
 
-
-def _missing_memory(problem, layout, groups, quantum: int) -> dict[int, int]:
-    """Bytes each rank lacks in the least-short split: the same MILP with a slack variable on
-    every memory row, minimizing the total slack."""
-    world, group_count = layout.world_size, len(groups)
-    index = _Index(group_count, world)
-    slack_start = index.size
-    rows = _Rows(index.size + world)
-    _balance_rows(rows, index, groups, problem.train.seq_len // (2 * quantum))
-    before = len(rows.entries)
-    _memory_rows(rows, index, problem, layout, groups, quantum)
-    for row in range(before, len(rows.entries)):
-        rank = _rank_of_memory_row(row - before, groups)
-        if index.utilization not in rows.entries[row]:  # a limit row, not a utilization row
-            rows.entries[row][slack_start + rank] = -1.0
-    objective = np.zeros(index.size + world)
-    objective[slack_start:] = 1.0
-    lower, upper = np.zeros(index.size + world), np.full(index.size + world, np.inf)
-    upper[index.f] = 1.0
-    for position, group in enumerate(groups):
-        lower[index.u[position]] = len(group)
-        lower[index.t[list(group)]] = 1
-    result = milp(objective, constraints=rows.constraint(), bounds=Bounds(lower, upper))
-    slack = result.x[slack_start:] if result.x is not None else np.zeros(world)
-    capacity = [problem.cluster.gpu(rank).memory_bytes for rank in range(world)]
-    missing = {rank: int(np.ceil(v * capacity[rank])) for rank, v in enumerate(slack)}
-    return {rank: b for rank, b in missing.items() if b > 0}
-
-
-def _rank_of_memory_row(row: int, groups) -> int:
-    ordered = [rank for group in groups for rank in group]
-    return ordered[row // 6]  # three phases, each a limit row and a utilization row
+    def constraint(self, columns: int) -> LinearConstraint:
+        shape = (len(self.lower), columns)
+        matrix = coo_matrix((self.values, (self.rows, self.columns)), shape=shape).tocsr()
+        return LinearConstraint(matrix, self.lower, self.upper)
