@@ -30,38 +30,6 @@ class Problem:
         ]
 
 
-def state_bytes_total(problem: Problem) -> int:
-    """Parameters + gradients + optimizer states of the whole model, in bytes."""
-    return problem.model.params * problem.train.bytes_per_param_state
-
-
-def fit_state_fractions(
-    problem: Problem, layout: AttentionLayout
-) -> tuple[list[float], dict[int, int]]:
-    """Shard model states in proportion to each rank's memory left after everything else.
-
-    Returns the fractions and the bytes each rank would still miss (empty when all fit).
-    """
-    zero = [0.0] * layout.world_size
-    others = [
-        m.peak_bytes
-        for m in estimate_memory(problem.cluster, problem.model, problem.train, layout, zero)
-    ]
-    free = [limit - used for limit, used in zip(problem.limits(), others)]
-    positive = [max(0, f) for f in free]
-    total_states = state_bytes_total(problem)
-    if sum(positive) == 0:
-        fractions = [1.0 / layout.world_size] * layout.world_size
-    else:
-        fractions = [p / sum(positive) for p in positive]
-    missing = {}
-    for rank, (f, share) in enumerate(zip(free, fractions)):
-        lack = int(share * total_states - f)
-        if lack > 0:
-            missing[rank] = lack
-    return fractions, missing
-
-
 def memory_shortfall(
     problem: Problem, layout: AttentionLayout, fractions: Sequence[float]
 ) -> dict[int, int]:
