@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trials",
         type=_positive_int,
         metavar="N",
-        help="Optuna trials in all (deterministic for a given --seed)",
+        help="trials in this run, a new study's greedy short list included (deterministic "
+        "for a given --seed)",
     )
     plan.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
     plan.add_argument(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import time
 from dataclasses import dataclass, field
 
 import optuna
@@ -121,7 +122,11 @@ def run_study(
     multi_objective: bool = False,
     show_progress: bool = False,
 ) -> StudyOutcome:
-    """Run (or continue) the study and rebuild the plans of its best trials."""
+    """Run (or continue) the study and rebuild the plans of its best trials.
+
+    A new study first scores the greedy short list (counted in `n_trials`); a continued one
+    runs `n_trials` more. With neither `n_trials` nor `time_budget_s`, only the short list.
+    """
     optuna.logging.set_verbosity(logging.WARNING)
     objective = _Objective(problem, multi_objective)
     name = study_name or _default_study_name(problem, multi_objective)
@@ -129,18 +134,25 @@ def run_study(
     greedy = greedy_candidates(
         problem.cluster, problem.model, problem.train.activation_checkpointing
     )
+    started, scored_here = time.perf_counter(), 0
     if not study.trials:  # a new study starts from the greedy stage's short list
         for choices in greedy:
             study.enqueue_trial(params_of(choices, objective.quanta[len(objective.quanta) // 2]))
+        # Scored here, before any worker starts: workers sharing a SQLite study could both
+        # take the same enqueued trial.
+        study.optimize(objective, n_trials=len(greedy))
+        scored_here = len(greedy)
     if n_trials is None and time_budget_s is None:
-        n_trials = len(greedy)
+        return _outcome(study, objective, multi_objective)
+    remaining = None if n_trials is None else n_trials - scored_here
+    budget = None if time_budget_s is None else time_budget_s - (time.perf_counter() - started)
+    if (remaining is not None and remaining <= 0) or (budget is not None and budget <= 0):
+        return _outcome(study, objective, multi_objective)
     if workers > 1:
-        _run_workers(
-            problem, storage, name, seed, multi_objective, workers, n_trials, time_budget_s
-        )
+        _run_workers(problem, storage, name, seed, multi_objective, workers, remaining, budget)
     else:
         study.optimize(
-            objective, n_trials=n_trials, timeout=time_budget_s, show_progress_bar=show_progress
+            objective, n_trials=remaining, timeout=budget, show_progress_bar=show_progress
         )
     return _outcome(study, objective, multi_objective)
 

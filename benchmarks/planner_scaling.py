@@ -1,0 +1,279 @@
+"""How long the default `plan_search` takes as clusters grow in GPUs and in GPU types.
+
+The default search (the greedy stage's short list, each candidate's heads and loads solved by
+the local MILP, plus the homogeneous baselines) must stay interactive: the goals are at most
+0.5 s at 128 GPUs of 4 types (aim 0.1 s) and at most 5 s at 1024 GPUs of any mix.
+
+Clusters: nodes of 8 GPUs, GPU types assigned round-robin by node from `GPU_CYCLE` (the first
+k for k types); where nodes of 8 would leave a type out, nodes shrink to 4 or 2 GPUs (16 GPUs
+of 4 / 8 types: 4 / 2 per node; 32 GPUs of 8 types: 4 per node), marked in the table.
+50 GB/s between nodes except the first two nodes, joined at 25 GB/s, so the ring order matters.
+Llama-3-8B at 1M tokens, falling back to 512K (said in the row) where no plan fits.
+
+Wall time is the median of 5 searches after one warm-up search of the same cluster (the
+warm-up fills the per-cluster ring-order cache; its time is shown as "first run s").
+
+Run: `.venv/bin/python benchmarks/planner_scaling.py [--quick] [--sizes N ...] [--types K ...]
+[--no-write]` (prints a table and the goal checks, and updates the "Planner scaling" section of
+benchmarks/RESULTS.md unless `--no-write`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hexiseq import Cluster, InfeasibleError, InfeasiblePlan, Plan, plan_search
+from hexiseq.search import SearchResult
+
+GPU_CYCLE = ("H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G")
+GPUS_PER_NODE = 8
+INTER_NODE_GBPS = 50.0
+SLOW_PAIR_GBPS = 25.0  # the first two nodes: a slower link the ring order should route around
+MODEL = "llama3-8b"
+SEQ_LENS = ("1M", "512K")  # the target, then the fallback where nothing fits at 1M
+SIZES = (16, 32, 64, 128, 256, 512, 1024)
+TYPE_COUNTS = (1, 2, 4, 8)
+QUICK_SIZES, QUICK_TYPE_COUNTS = (16, 128, 1024), (1, 4, 8)
+REPEATS, QUICK_REPEATS = 5, 3
+GOAL_128_S, AIM_128_S, GOAL_1024_S = 0.5, 0.1, 5.0
+RESULTS = Path(__file__).with_name("RESULTS.md")
+START, END = "<!-- planner_scaling:start -->", "<!-- planner_scaling:end -->"
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """One (GPUs, types) cell: wall times in seconds and what the best plan achieved."""
+
+    gpus: int
+    type_count: int
+    gpus_per_node: int
+    seq_len: str
+    times_s: list[float]
+    first_run_s: float
+    tokens_per_s: float | None  # None: no plan fits even at the fallback length
+    speedup: str
+    hp_degrees: str
+
+
+def gpus_per_node(gpus: int, type_count: int) -> int:
+    """8, or the largest smaller power of two that still gives every type a node."""
+    size = GPUS_PER_NODE
+    while size > 1 and gpus // size < type_count:
+        size //= 2
+    if gpus % size or gpus // size < type_count:
+        raise ValueError(f"{gpus} GPUs cannot hold {type_count} GPU types node by node")
+    return size
+
+
+def build_cluster(gpus: int, type_count: int) -> Cluster:
+    """`gpus` GPUs, the first `type_count` types of `GPU_CYCLE` round-robin by node."""
+    size = gpus_per_node(gpus, type_count)
+    nodes = [
+        {"name": f"node{i}", "gpu": GPU_CYCLE[i % type_count], "count": size}
+        for i in range(gpus // size)
+    ]
+    network = {
+        "inter_node_GBps": INTER_NODE_GBPS,
+        "overrides": [{"a": "node0", "b": "node1", "GBps": SLOW_PAIR_GBPS}],
+    }
+    name = f"scaling-{gpus}x{type_count}"
+    return Cluster.from_dict({"name": name, "nodes": nodes, "network": network})
+
+
+def timed_search(cluster: Cluster, seq_len: str) -> tuple[float, SearchResult | None]:
+    """Wall seconds of one default `plan_search`, and its result (None: nothing fits)."""
+    started = time.perf_counter()
+    try:
+        result = plan_search(cluster, MODEL, seq_len)
+    except InfeasibleError:
+        result = None
+    return time.perf_counter() - started, result
+
+
+def measure_cell(gpus: int, type_count: int, repeats: int) -> CellResult:
+    """Warm up (choosing 1M or the fallback length), then time `repeats` searches."""
+    cluster = build_cluster(gpus, type_count)
+    for seq_len in SEQ_LENS:
+        first_run_s, result = timed_search(cluster, seq_len)
+        if result is not None:
+            break
+    times_s = [timed_search(cluster, seq_len)[0] for _ in range(repeats)]
+    return CellResult(
+        gpus,
+        type_count,
+        gpus_per_node(gpus, type_count),
+        seq_len,
+        times_s,
+        first_run_s,
+        result.best.predicted.tokens_per_s if result else None,
+        describe_speedup(result),
+        describe_hp_degrees(result.best) if result else "-",
+    )
+
+
+def describe_speedup(result: SearchResult | None) -> str:
+    """Best plan over the best feasible baseline, or why there is no ratio."""
+    if result is None:
+        return "-"
+    feasible = [b for b in result.baselines.values() if isinstance(b, Plan)]
+    if feasible:
+        baseline = max(b.predicted.tokens_per_s for b in feasible)
+        return f"{result.best.predicted.tokens_per_s / baseline:.2f}x"
+    baselines = result.baselines.values()
+    out_of_memory = any(isinstance(b, InfeasiblePlan) and b.missing_bytes for b in baselines)
+    return "baselines OOM" if out_of_memory else "baselines infeasible"
+
+
+def describe_hp_degrees(plan: Plan) -> str:
+    """HP degree per GPU type ("8 (all)" when equal), or a baseline's uniform degree."""
+    by_gpu = plan.knobs.get("hp_degree_by_gpu")
+    if by_gpu is None:  # a baseline won: one uniform degree
+        return f"{plan.name}: {plan.knobs['hp_degree']}"
+    if len(set(by_gpu.values())) == 1:
+        return f"{next(iter(by_gpu.values()))} (all)"
+    return " ".join(f"{gpu.split('-')[0]}:{degree}" for gpu, degree in by_gpu.items())
+
+
+def format_row(cell: CellResult) -> str:
+    node_note = "" if cell.gpus_per_node == GPUS_PER_NODE else f" ({cell.gpus_per_node}/node)"
+    seq_note = "" if cell.seq_len == SEQ_LENS[0] else f" at {cell.seq_len} (1M: nothing fits)"
+    throughput = "no plan fits" if cell.tokens_per_s is None else f"{cell.tokens_per_s:,.0f}"
+    return (
+        f"| {cell.gpus}{node_note} | {cell.type_count} | {statistics.median(cell.times_s):.3f} "
+        f"| {min(cell.times_s):.3f}-{max(cell.times_s):.3f} | {cell.first_run_s:.3f} "
+        f"| {throughput}{seq_note} | {cell.speedup} | {cell.hp_degrees} |"
+    )
+
+
+def format_table(cells: list[CellResult]) -> str:
+    # min-max, not p10-p90: 5 (or 3) runs do not define deciles.
+    lines = [
+        "| GPUs | types | median s | min-max s | first run s | best plan tokens/s "
+        "| speedup vs best baseline | HP degrees |",
+        "|---:|---:|---:|---:|---:|---:|---|---|",
+    ]
+    return "\n".join(lines + [format_row(cell) for cell in cells])
+
+
+def check_goals(cells: list[CellResult]) -> list[str]:
+    """One line per goal: met / not met, with the measured medians."""
+    medians = {(c.gpus, c.type_count): statistics.median(c.times_s) for c in cells}
+    lines = []
+    if (128, 4) in medians:
+        s = medians[(128, 4)]
+        verdict = "met" if s <= GOAL_128_S else "not met"
+        aim = "met" if s <= AIM_128_S else "not met"
+        lines.append(
+            f"- Goal <= {GOAL_128_S} s at 128 GPUs / 4 types: {verdict} ({s:.3f} s; "
+            f"aim {AIM_128_S} s: {aim})"
+        )
+    else:
+        lines.append(f"- Goal <= {GOAL_128_S} s at 128 GPUs / 4 types: not measured in this run")
+    at_1024 = {k: s for (g, k), s in medians.items() if g == 1024}
+    if at_1024:
+        worst_types = max(at_1024, key=at_1024.get)
+        verdict = "met" if at_1024[worst_types] <= GOAL_1024_S else "not met"
+        lines.append(
+            f"- Goal <= {GOAL_1024_S} s at 1024 GPUs (any types): {verdict} (slowest "
+            f"{at_1024[worst_types]:.3f} s with {worst_types} types; "
+            f"types measured: {', '.join(str(k) for k in sorted(at_1024))})"
+        )
+    else:
+        lines.append(f"- Goal <= {GOAL_1024_S} s at 1024 GPUs: not measured in this run")
+    return lines
+
+
+def update_results(table: str, goals: list[str], repeats: int, command: str) -> None:
+    """Replace this benchmark's section of RESULTS.md (between its markers), or append it."""
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = "\n".join(
+        [
+            START,
+            "## Planner scaling",
+            "",
+            f"Default `plan_search` (greedy short list + local MILP + baselines), median of "
+            f"{repeats} runs after one warm-up per cluster ({os.cpu_count()} CPU cores, "
+            f"{platform.machine()}, Python {platform.python_version()}; {date}). Nodes of 8 "
+            "GPUs, or of 4 / 2 where 8 would leave a type out (marked n/node), types "
+            "round-robin by node "
+            f"from {', '.join(GPU_CYCLE)}; {INTER_NODE_GBPS:g} GB/s between nodes, node0-node1 "
+            f"{SLOW_PAIR_GBPS:g} GB/s. Llama-3-8B at 1M tokens (512K where marked), datasheet "
+            'cost model. "first run s" is the warm-up search (ring-order cache empty).',
+            "",
+            table,
+            "",
+            *goals,
+            "",
+            f"Produced by `{command}`.",
+            END,
+        ]
+    )
+    text = RESULTS.read_text() if RESULTS.exists() else "# hexiseq benchmark results\n"
+    if START in text and END in text:
+        before, rest = text.split(START, 1)
+        text = before + section + rest.split(END, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    RESULTS.write_text(text)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"smoke run: {QUICK_SIZES} GPUs x {QUICK_TYPE_COUNTS} types, {QUICK_REPEATS} repeats",
+    )
+    parser.add_argument(
+        "--sizes", type=int, nargs="+", choices=SIZES, metavar="GPUS", help=f"from {SIZES}"
+    )
+    parser.add_argument(
+        "--types",
+        type=int,
+        nargs="+",
+        choices=TYPE_COUNTS,
+        metavar="K",
+        help=f"from {TYPE_COUNTS}",
+    )
+    parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
+    type_counts = args.types or (QUICK_TYPE_COUNTS if args.quick else TYPE_COUNTS)
+    repeats = QUICK_REPEATS if args.quick else REPEATS
+    # Imports (Optuna, SciPy's HiGHS) load on the first search: pay for them outside any cell.
+    timed_search(Cluster.from_dict(_import_warmup_cluster()), "64K")
+    cells = []
+    for gpus in sorted(sizes):
+        for type_count in sorted(type_counts):
+            cells.append(measure_cell(gpus, type_count, repeats))
+            print(f"measured {gpus} GPUs x {type_count} types", file=sys.stderr, flush=True)
+    table, goals = format_table(cells), check_goals(cells)
+    print(table, *goals, sep="\n")
+    if not args.no_write:
+        command = shlex.join([".venv/bin/python", "benchmarks/planner_scaling.py", *argv])
+        update_results(table, goals, repeats, command)
+    return 0
+
+
+def _import_warmup_cluster() -> dict:
+    """A small cluster no cell uses, so the warm-up fills no cell's caches."""
+    nodes = [{"name": f"w{i}", "gpu": GPU_CYCLE[i % 2], "count": 4} for i in range(2)]
+    return {"name": "import-warmup", "nodes": nodes, "network": {"inter_node_GBps": 50}}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
