@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 import optuna
@@ -196,15 +197,14 @@ def _run_workers(problem, storage, name, seed, multi_objective, workers, n_trial
     """`workers` processes optimize the same stored study, each with its own seed."""
     per_worker = None if n_trials is None else max(1, -(-n_trials // workers))
     context = multiprocessing.get_context("spawn")
-    args = [
-        (problem, storage, name, seed + i, multi_objective, per_worker, budget)
-        for i in range(workers)
-    ]
-    with context.Pool(workers) as pool:
-        pool.starmap(_worker, args)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+        arguments = (problem, storage, name, multi_objective, per_worker, budget)
+        futures = [pool.submit(_worker, seed + i, *arguments) for i in range(workers)]
+        for future in futures:
+            future.result()  # a worker's exception (or a crashed worker) surfaces here
 
 
-def _worker(problem, storage, name, seed, multi_objective, n_trials, budget) -> None:
+def _worker(seed, problem, storage, name, multi_objective, n_trials, budget) -> None:
     optuna.logging.set_verbosity(logging.WARNING)
     study = _create_study(storage, name, seed, multi_objective)
     study.optimize(_Objective(problem, multi_objective), n_trials=n_trials, timeout=budget)

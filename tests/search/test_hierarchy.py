@@ -180,3 +180,27 @@ def test_multi_objective_returns_a_pareto_front():
     points = [(p.predicted.tokens_per_s, 1 - p.predicted.max_memory_fraction) for p in front]
     for a in points:
         assert not any(b[0] >= a[0] and b[1] >= a[1] and b != a for b in points)
+
+
+@pytest.mark.skipif(
+    "HEXISEQ_TEST_POSTGRESQL_URL" not in __import__("os").environ,
+    reason="set HEXISEQ_TEST_POSTGRESQL_URL to a disposable PostgreSQL database",
+)
+def test_postgresql_storage_with_workers():
+    import os
+    import uuid
+
+    url = os.environ["HEXISEQ_TEST_POSTGRESQL_URL"]
+    name = f"hexiseq-test-{uuid.uuid4()}"
+    result = plan_search(
+        "h100x8-a100x8",
+        "llama3-8b",
+        "256k",
+        n_trials=8,
+        storage=url,
+        workers=2,
+        study_name=name,
+    )
+    study = optuna.load_study(study_name=name, storage=url)
+    assert len(study.trials) >= 8 and isinstance(result.best, Plan)
+    optuna.delete_study(study_name=name, storage=url)
