@@ -155,6 +155,8 @@ def apportion(
     """
     _check_apportion_args(total, weights, quantum, minimum)
     units, min_units = total // quantum, minimum // quantum
+    if len(set(weights)) == 1 and units // len(weights) >= min_units:
+        return _equal_shares(units, len(weights), quantum)  # the common case, without fractions
     exact = [Fraction(w) for w in weights]
     fixed = _clamp_to_minimum(units, exact, min_units)
     free = [i for i in range(len(exact)) if i not in fixed]
@@ -162,6 +164,12 @@ def apportion(
     shares = dict.fromkeys(fixed, min_units)
     shares.update(_largest_remainder(remaining, {i: exact[i] for i in free}))
     return [shares[i] * quantum for i in range(len(exact))]
+
+
+def _equal_shares(units: int, count: int, quantum: int) -> list[int]:
+    """Equal weights: the same answer as largest remainder (ties to the lower index)."""
+    share, extra = divmod(units, count)
+    return [(share + (i < extra)) * quantum for i in range(count)]
 
 
 def _check_apportion_args(
