@@ -88,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="search throughput against memory headroom and print the Pareto front",
     )
     plan.add_argument(
-        "--no-checkpointing", action="store_true", help="keep all activations (no recompute)"
+        "--checkpointing",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="activation checkpointing: auto (off wherever memory allows), on, or off",
+    )
+    plan.add_argument(
+        "--no-checkpointing", action="store_true", help="same as --checkpointing off"
     )
     return parser
 
@@ -146,7 +152,7 @@ def _plan(args: argparse.Namespace) -> int:
         storage=args.storage,
         workers=args.workers,
         multi_objective=args.pareto,
-        activation_checkpointing=not args.no_checkpointing,
+        activation_checkpointing=_checkpointing(args),
         show_progress=_wants_progress(args),
     )
     print(format_search_result(result))
@@ -158,6 +164,12 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"saved to {store.url} as plan {plan_id} (baselines beside it)")
         store.close()
     return 0
+
+
+def _checkpointing(args: argparse.Namespace) -> bool | None:
+    if args.no_checkpointing:
+        return False
+    return {"auto": None, "on": True, "off": False}[args.checkpointing]
 
 
 def _wants_progress(args: argparse.Namespace) -> bool:

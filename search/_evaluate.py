@@ -22,6 +22,9 @@ class Problem:
     model: ModelSpec
     train: TrainSpec
     cost: CostModel
+    # Activation checkpointing the search may use: (False, True) lets it drop the recompute
+    # wherever memory allows; one value forces it.
+    checkpointing_options: tuple[bool, ...] = (False, True)
 
     def limits(self) -> list[int]:
         return [

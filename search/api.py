@@ -56,7 +56,7 @@ def plan_search(
     workers: int = 1,
     multi_objective: bool = False,
     cost_model: CostModel | None = None,
-    activation_checkpointing: bool = True,
+    activation_checkpointing: bool | None = None,
     study_name: str | None = None,
     show_progress: bool = False,
 ) -> SearchResult:
@@ -69,15 +69,16 @@ def plan_search(
     `seed` makes the sampling deterministic for a given `n_trials`; `storage` (SQLAlchemy
     URL) keeps the study and lets `workers` processes share it. Raises `InfeasibleError`
     when no plan fits, saying how much memory is missing and where.
+    `activation_checkpointing` None lets the search drop the recompute wherever memory
+    allows (baselines too); True or False forces it.
     """
     _check_options(time_budget_s, n_trials, workers, storage)
     problem = Problem(
         cluster=cluster if isinstance(cluster, Cluster) else Cluster.load(cluster),
         model=model if isinstance(model, ModelSpec) else ModelSpec.preset(model),
-        train=TrainSpec(
-            seq_len=parse_seq_len(seq_len), activation_checkpointing=activation_checkpointing
-        ),
+        train=TrainSpec(seq_len=parse_seq_len(seq_len)),
         cost=cost_model or DatasheetCostModel(),
+        checkpointing_options=_checkpointing_options(activation_checkpointing),
     )
     baselines = all_baselines(problem)
     outcome = run_study(
@@ -101,6 +102,12 @@ def plan_search(
         )
     best = max(feasible, key=lambda plan: plan.predicted.tokens_per_s)
     return SearchResult(best, baselines, trials, outcome.pareto, outcome.study_name)
+
+
+def _checkpointing_options(activation_checkpointing: bool | None) -> tuple[bool, ...]:
+    if activation_checkpointing is None:
+        return (False, True)
+    return (bool(activation_checkpointing),)
 
 
 def _check_options(time_budget_s, n_trials, workers, storage) -> None:

@@ -10,6 +10,8 @@ model states sharded evenly.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hexiseq.costmodel.memory import even_state_fractions
 from hexiseq.layout import build_uniform_layout
 from hexiseq.plan import InfeasiblePlan, Plan
@@ -36,12 +38,26 @@ def uniform_grid_plan(problem: Problem, hp_degree: int, name: str) -> Plan | Inf
     layout = build_uniform_layout(
         problem.train.seq_len, model.heads, model.kv_heads, [hp_degree] * cp_degree
     )
-    knobs = {
-        "hp_degree": hp_degree,
-        "cp_degree": cp_degree,
-        "activation_checkpointing": problem.train.activation_checkpointing,
-    }
-    return evaluate(problem, layout, even_state_fractions(world), name, knobs)
+    return _best_checkpointing(problem, layout, name, hp_degree, cp_degree)
+
+
+def _best_checkpointing(problem: Problem, layout, name: str, hp_degree: int, cp_degree: int):
+    """Homogeneous systems may drop activation checkpointing too when memory allows: the
+    faster feasible of the allowed settings (the least-short OOM if neither fits)."""
+    outcomes = []
+    for checkpointing in problem.checkpointing_options:
+        train = replace(problem.train, activation_checkpointing=checkpointing)
+        knobs = {
+            "hp_degree": hp_degree,
+            "cp_degree": cp_degree,
+            "activation_checkpointing": checkpointing,
+        }
+        fractions = even_state_fractions(problem.cluster.world_size)
+        outcomes.append(evaluate(replace(problem, train=train), layout, fractions, name, knobs))
+    feasible = [o for o in outcomes if isinstance(o, Plan)]
+    if feasible:
+        return max(feasible, key=lambda plan: plan.predicted.tokens_per_s)
+    return min(outcomes, key=lambda o: o.total_missing_bytes)
 
 
 def ring_only(problem: Problem) -> Plan | InfeasiblePlan:

@@ -107,7 +107,9 @@ class _Objective:
             degrees,
             trial.suggest_categorical("ring_order", list(RING_ORDERS)),
             trial.suggest_categorical("chunk_quantum", self.quanta),
-            trial.suggest_categorical("activation_checkpointing", [True, False]),
+            trial.suggest_categorical(
+                "activation_checkpointing", list(self.problem.checkpointing_options)
+            ),
         )
 
 
@@ -132,17 +134,11 @@ def run_study(
     objective = _Objective(problem, multi_objective)
     name = study_name or _default_study_name(problem, multi_objective)
     study = _create_study(storage, name, seed, multi_objective)
-    greedy = greedy_candidates(
-        problem.cluster, problem.model, problem.train.activation_checkpointing
-    )
     started, scored_here = time.perf_counter(), 0
     if not study.trials:  # a new study starts from the greedy stage's short list
-        for choices in greedy:
-            study.enqueue_trial(params_of(choices, objective.quanta[len(objective.quanta) // 2]))
         # Scored here, before any worker starts: workers sharing a SQLite study could both
         # take the same enqueued trial.
-        study.optimize(objective, n_trials=len(greedy))
-        scored_here = len(greedy)
+        scored_here = _score_greedy(study, objective)
     if n_trials is None and time_budget_s is None:
         return _outcome(study, objective, multi_objective)
     remaining = None if n_trials is None else n_trials - scored_here
@@ -156,6 +152,27 @@ def run_study(
             objective, n_trials=remaining, timeout=budget, show_progress_bar=show_progress
         )
     return _outcome(study, objective, multi_objective)
+
+
+def _score_greedy(study, objective: _Objective) -> int:
+    """The greedy short list with activation checkpointing (it fits most often), then its two
+    best groupings again without, where that is allowed: dropping the recompute is the largest
+    single gain whenever memory allows it. Returns how many trials it ran."""
+    problem = objective.problem
+    quantum = objective.quanta[len(objective.quanta) // 2]
+    keeps_checkpoints = True in problem.checkpointing_options
+    greedy = greedy_candidates(problem.cluster, problem.model, keeps_checkpoints)
+    for choices in greedy:
+        study.enqueue_trial(params_of(choices, quantum))
+    study.optimize(objective, n_trials=len(greedy))
+    if not keeps_checkpoints or False not in problem.checkpointing_options:
+        return len(greedy)
+    done = [t for t in study.trials if t.values and t.values[0] > INFEASIBLE_SCORE]
+    best = sorted(done, key=lambda t: -t.values[0])[:2]
+    for trial in best:
+        study.enqueue_trial({**trial.params, "activation_checkpointing": False})
+    study.optimize(objective, n_trials=len(best))
+    return len(greedy) + len(best)
 
 
 def _create_study(storage: str | None, name: str, seed: int, multi_objective: bool):
