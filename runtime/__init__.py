@@ -1,7 +1,58 @@
-"""torch.distributed executor of a `Plan`.
+"""torch.distributed executor of a `Plan`: asymmetric Ulysses (HP) + ring attention (CP).
 
-Will hold (issue: runtime): `CPHPAttention` (uneven all-to-all into head-sharded form, uneven
-ring attention with log-sum-exp merging, explicit ring backward), a Llama-style model and the
-torchrun train loop that records measured step time and memory into the store (DESIGN.md §8).
-This package may import the core and torch only, never search, costmodel or dashboard.
+`CPHPAttention(layout)(q, k, v, causal=True)` (DESIGN §8) runs attention on a sequence
+sharded by an `AttentionLayout`; gloo (CPU) and NCCL (GPU). Modules:
+
+- `attention`     the public module: checks, then all-to-all -> ring -> all-to-all back
+- `_all_to_all`   uneven all-to-all between sequence and head form (autograd Functions)
+- `_ring`         ring forward, explicit ring backward (autograd Function)
+- `_routes`       pure: who sends which K/V heads to whom (matches costmodel._traffic)
+- `_tiles`        pure: a block's causal mask as mask-free full / causal-square tiles
+- `_block`        one ring step: GQA expansion, tiles, online-softmax merge (fp32)
+- `_kernels`      SDPA kernels with log-sum-exp (CPU flash, CUDA flash/efficient, fp32 reference)
+- `_p2p`          batched isend/irecv of K/V head runs
+
+Communication of one attention layer (B batch, D head size, e bytes per element of the
+compute dtype, e.g. 2 for bf16; T_i tokens and h_i query heads of rank i; c_i = its K/V heads
+[h0 // r, ceil(h1 / r)), a head at a GQA boundary counted for both owners; S_b tokens of the
+segment of group b; G groups; "keeper" of a K/V head in a group = its lowest-numbered holder):
+
+Forward
+1. All-to-all in each HP group (one `all_to_all_single`): rank i sends member j
+   B·T_i·(h_j + 2·c_j)·D·e bytes (q of j's heads, k and v of j's K/V heads, i's tokens).
+2. G-1 ring hops. Before step i (0 <= i < G-1) every rank posts the hop bringing the block of
+   step i+1, owner b = g-i-1: each rank of group g receives, for each K/V head it needs,
+   2·B·S_b·D·e bytes per head (k and v) from the head's keeper in group g-1, one message per
+   (sender, receiver) pair. Same senders as `costmodel._traffic.ring_senders`.
+3. All-to-all back: member j sends rank i B·T_i·h_j·D·e bytes (the output of i's tokens).
+
+Backward
+1. All-to-all of dO: as forward 3, the other way (rank i sends member j B·T_i·h_j·D·e).
+2. The same G-1 K/V hops as forward 2 (blocks go round again; nothing is kept per block).
+3. dK/dV (fp32). The owner group's own contribution to its block never leaves it; the
+   accumulator of block b starts at zero on group b+1. After each step i >= 1:
+   a. fold, inside the group: a holder of a boundary K/V head that is not its keeper sends
+      the keeper 2·B·S_b·D·4 bytes per such head (its partial dK and dV);
+   b. hop: each K/V head's accumulator, 2·B·S_b·D·4 bytes, goes from its keeper in g to its
+      keeper in g+1. The hop after step G-1 brings every block home to its owner.
+   So G-1 dK/dV hops, each head carried by one rank and received by one rank.
+4. All-to-all of dq, dk, dv: member j sends rank i B·T_i·(h_j + 2·c_j)·D·e bytes; rank i sums
+   the pieces of a boundary K/V head from its owners (in fp32). Only the keeper's piece holds
+   the other groups' contributions, the other owners' pieces hold their own group's.
+
+Differences from the simulator's model (`costmodel._traffic`, `costmodel._ring`):
+- dK/dV hops: the model makes G hops (one after every step, including step 0, plus the return)
+  and routes dK/dV like K/V (every holder of a boundary head receives it: `kv_heads_in`;
+  senders send `heads_out`). The runtime makes G-1 hops and sends each K/V head once per hop,
+  keeper to keeper: fewer bytes on the ring links.
+- Folds (backward 3a) are intra-group fp32 traffic the model does not count.
+- The model counts all-to-all and K/V bytes at 2 bytes per element (BF16); the runtime moves
+  the compute dtype (4 bytes in fp32 runs).
+
+This package may import the core and torch only, never search, costmodel or dashboard. Still
+to come (DESIGN §8): the Llama-style model and the torchrun train loop.
 """
+
+from hexiseq.runtime.attention import CPHPAttention
+
+__all__ = ["CPHPAttention"]
