@@ -33,7 +33,10 @@ def all_to_all_durations(context: SimContext, *, q_heads: bool, kv: bool) -> np.
     heads = np.where(real, context.heads[members], 0).astype(np.float64)
     kv_heads = np.where(real, context.kv_heads[members], 0).astype(np.float64)
     head_dim = context.model.head_dim
-    sent = batched_all_to_all_bytes(tokens, heads, kv_heads, head_dim, q_heads=q_heads, kv=kv)
+    element = context.train.compute_dtype_bytes
+    sent = batched_all_to_all_bytes(
+        tokens, heads, kv_heads, head_dim, q_heads=q_heads, kv=kv, element_bytes=element
+    )
     nodes = context.node_of[members]
     send_s = _fan_times(context, sent, nodes, real)
     receive_s = _fan_times(context, sent.transpose(0, 2, 1), nodes, real)

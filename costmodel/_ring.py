@@ -2,9 +2,11 @@
 
 At step i group g computes on the block of group g - i. That block left group g - 1 when both
 ranks began step i - 1 (communication is posted one step ahead) and crosses the real link
-between the sending and the receiving rank. In the backward pass the block's partial dK/dV
-travel with it: they leave a rank only when its step is done, and after the last step they
-make one more hop, back to the group that owns the block.
+between the sending and the receiving rank. In the backward pass the block's FP32 dK/dV
+accumulator travels behind it, as the runtime does: it starts at zero on the group after the
+owner (step 1 waits for none), leaves a keeper only when its step is done and the boundary
+partials of its group are folded in, goes keeper to keeper, and after the last step makes one
+more hop, back to the group that owns the block.
 
 The steps depend on each other, so they run in order, but every step is computed for all ranks
 at once from [step, rank] tables that are built once per plan (`build_ring_tables`).
@@ -18,7 +20,14 @@ import numpy as np
 
 from hexiseq.costmodel._pairs import causal_pair_matrix, rows_by_step
 from hexiseq.costmodel._state import Ledger, SimContext, per_gpu_type
-from hexiseq.costmodel._traffic import BF16, FP32, RingSenders, ring_senders
+from hexiseq.costmodel._traffic import (
+    FP32,
+    FoldLinks,
+    RingSenders,
+    dkv_ring_senders,
+    fold_links,
+    ring_senders,
+)
 
 
 @dataclass(frozen=True)
@@ -28,8 +37,11 @@ class RingTables:
     senders: RingSenders | None  # None with one group (no ring hops)
     forward_s: np.ndarray  # [step, rank] forward attention compute
     backward_s: np.ndarray  # [step, rank] backward attention compute
-    kv_time_s: np.ndarray  # [step, rank] arrival of the K/V block (BF16) after it is posted
+    kv_time_s: np.ndarray  # [step, rank] arrival of the K/V block (compute dtype) once posted
     dkv_time_s: np.ndarray  # [step, rank] same for its FP32 dK/dV; step 0: the return hop
+    dkv_senders: RingSenders | None = None  # keeper-to-keeper hops of dK/dV
+    folds: FoldLinks | None = None  # boundary partials handed to the keeper in the group
+    fold_time_s: np.ndarray | None = None  # [step, fold link]
 
     @property
     def step_count(self) -> int:
@@ -45,15 +57,20 @@ def build_ring_tables(context: SimContext) -> RingTables:
     if group_count == 1:
         nothing = np.zeros_like(forward_s)
         return RingTables(None, forward_s, backward_s, nothing, nothing)
-    senders = ring_senders(context.layout)
+    senders, dkv_senders = ring_senders(context.layout), dkv_ring_senders(context.layout)
     lengths = np.broadcast_to(context.segment_lengths, (group_count, group_count))
     block_tokens = rows_by_step(lengths)  # [group, step] tokens of the block in hand
+    element = context.train.compute_dtype_bytes
+    folds = fold_links(context.layout)
     return RingTables(
         senders,
         forward_s,
         backward_s,
-        _step_major(_transfer_times(context, senders, block_tokens, BF16)),
-        _step_major(_transfer_times(context, senders, block_tokens, FP32)),
+        _step_major(_transfer_times(context, senders, block_tokens, element)),
+        _step_major(_transfer_times(context, dkv_senders, block_tokens, FP32)),
+        dkv_senders,
+        folds,
+        _fold_times(context, folds, block_tokens),
     )
 
 
@@ -66,33 +83,65 @@ def ring_pass(
     ledger.add("attention_s", compute_total)
     start, end = ring_start.copy(), ring_start + compute[0]
     for step in range(1, tables.step_count):
-        dkv_time = tables.dkv_time_s[step] if backward else None
+        # Step 1 starts the travelling dK/dV at zero; later steps wait for it to arrive.
+        dkv_ready = _dkv_ready(tables, step - 1, end) if backward and step > 1 else None
+        dkv_time = tables.dkv_time_s[step] if dkv_ready is not None else None
         start, end = _ring_step(
-            tables.senders, start, end, compute[step], tables.kv_time_s[step], dkv_time
+            tables, start, end, compute[step], tables.kv_time_s[step], dkv_ready, dkv_time
         )
     if backward and tables.senders is not None:  # dK/dV go home once the last step is done
-        end = np.maximum(end, tables.senders.latest(end) + tables.dkv_time_s[0])
+        ready = _dkv_ready(tables, tables.step_count - 1, end)
+        end = np.maximum(end, tables.dkv_senders.latest(ready) + tables.dkv_time_s[0])
     exposed = np.maximum(0.0, end - ring_start - compute_total)  # no -1e-17 rounding
     ledger.add("ring_exposed_comm_s", exposed)
     return end
 
 
 def _ring_step(
-    senders: RingSenders,
+    tables: RingTables,
     prev_start: np.ndarray,
     prev_end: np.ndarray,
     compute: np.ndarray,
     kv_time: np.ndarray,
+    dkv_ready: np.ndarray | None,
     dkv_time: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """One step for all ranks: the block was posted when sender and receiver began the
-    previous step; it starts when the block is in and the previous step is done."""
-    posted = np.maximum(prev_start, senders.latest(prev_start))
+    previous step; it starts when the block is in and the previous step is done; in the
+    backward pass it ends no earlier than the block's dK/dV accumulator arrives."""
+    posted = np.maximum(prev_start, tables.senders.latest(prev_start))
     start = np.maximum(prev_end, posted + kv_time)
     end = start + compute
-    if dkv_time is not None:  # partial dK/dV leave the sender only when its step is done
-        end = np.maximum(end, senders.latest(prev_end) + dkv_time)
+    if dkv_ready is not None:
+        end = np.maximum(end, tables.dkv_senders.latest(dkv_ready) + dkv_time)
     return start, end
+
+
+def _dkv_ready(tables: RingTables, step: int, end: np.ndarray) -> np.ndarray:
+    """When each keeper may send on the dK/dV of the block it finished at `step`: its own
+    step is done and its group's boundary partials of that step are folded in."""
+    ready = end.copy()
+    folds = tables.folds
+    if folds is not None and len(folds.keepers):
+        arrivals = end[folds.folders] + tables.fold_time_s[step]
+        np.maximum.at(ready, folds.keepers, arrivals)
+    return ready
+
+
+def _fold_times(context: SimContext, folds: FoldLinks, block_tokens: np.ndarray) -> np.ndarray:
+    """[step, fold link] time to hand the keeper the shared heads' FP32 partials of the block
+    the group holds at that step, over the link between the two ranks."""
+    if not len(folds.keepers):
+        return np.zeros((block_tokens.shape[1], 0))
+    tokens = block_tokens[context.group_of[folds.keepers]]  # [link, step]
+    bytes_moved = folds.heads[:, None] * tokens * 2 * context.model.head_dim * FP32
+    link_nodes = context.node_of[folds.folders], context.node_of[folds.keepers]
+    seconds = context.cost.transfer_time_s(
+        bytes_moved,
+        context.bandwidth_GBps[link_nodes][:, None],
+        context.latency_s[link_nodes][:, None],
+    )
+    return np.ascontiguousarray(np.asarray(seconds, dtype=float).T)
 
 
 def _attention_times(context: SimContext, pairs: np.ndarray, *, backward: bool) -> np.ndarray:
@@ -112,7 +161,7 @@ def _transfer_times(
     context: SimContext, senders: RingSenders, block_tokens: np.ndarray, element_bytes: int
 ) -> np.ndarray:
     """[rank, step] time to receive the block of `block_tokens[group, step]` tokens (K/V, or
-    dK/dV for FP32): `kv_heads_in` heads while each sender sends all its outgoing heads;
+    dK/dV in FP32): `kv_heads_in` heads while each sender sends all its outgoing heads;
     the slowest sender sets the time."""
     receivers = senders.receivers
     per_head = block_tokens[context.group_of[receivers]] * 2 * context.model.head_dim
