@@ -96,7 +96,33 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--no-checkpointing", action="store_true", help="same as --checkpointing off"
     )
+    _add_run_parser(commands)
     return parser
+
+
+def _add_run_parser(commands) -> None:
+    run = commands.add_parser(
+        "run",
+        help="train a plan for a few steps under torchrun and record measured times and memory",
+        description="Start torchrun with one rank per device of the plan and run "
+        "hexiseq.runtime.train: measured step time and peak memory per rank go to the store.",
+    )
+    run.add_argument("--plan", required=True, metavar="PATH", help="plan JSON file")
+    run.add_argument("--steps", type=_positive_int, default=5, metavar="K", help="steps (5)")
+    run.add_argument(
+        "--store",
+        default=DEFAULT_STORE_URL,
+        metavar="URL",
+        help=f"SQLAlchemy URL of the store the measurements go to (default {DEFAULT_STORE_URL})",
+    )
+    run.add_argument("--no-store", action="store_true", help="record nothing")
+    run.add_argument("--seed", type=int, default=0, help="parameter and token seed (default 0)")
+    run.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="auto: CUDA (NCCL) when available, else CPU (gloo)",
+    )
 
 
 def _positive_float(text: str) -> float:
@@ -125,6 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return _plan(args)
+        if args.command == "run":
+            return _run(args)
     except HexiseqError as exc:
         print(f"hexiseq: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -164,6 +192,30 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"saved to {store.url} as plan {plan_id} (baselines beside it)")
         store.close()
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Check the plan here (a clear error, no torch import), then hand over to torchrun."""
+    import subprocess
+
+    from hexiseq.plan import Plan
+
+    plan = Plan.from_json(args.plan)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",  # a free rendezvous port on this machine
+        f"--nproc-per-node={plan.cluster.world_size}",
+        "-m",
+        "hexiseq.runtime.train",
+        f"--plan={args.plan}",
+        f"--steps={args.steps}",
+        f"--seed={args.seed}",
+        f"--device={args.device}",
+        *(["--no-store"] if args.no_store else [f"--store={args.store}"]),
+    ]
+    return subprocess.run(command, check=False).returncode
 
 
 def _checkpointing(args: argparse.Namespace) -> bool | None:

@@ -11,6 +11,10 @@ sharded by an `AttentionLayout`; gloo (CPU) and NCCL (GPU). Modules:
 - `_block`        one ring step: GQA expansion, tiles, online-softmax merge (fp32)
 - `_kernels`      SDPA kernels with log-sum-exp (CPU flash, CUDA flash/efficient, fp32 reference)
 - `_p2p`          batched isend/irecv of K/V head runs
+- `model`         Llama-style decoder over the sharded sequence (RoPE at global positions)
+- `loss`          mean next-token loss over all ranks' tokens; gradient all-reduce (sum)
+- `train`         the torchrun train loop of a plan, measured into the store
+- `_emulation`    emulated slower devices: compute phases padded by sleeping
 
 Communication of one attention layer (B batch, D head size, e bytes per element of the
 compute dtype, e.g. 2 for bf16; T_i tokens and h_i query heads of rank i; c_i = its K/V heads
@@ -49,10 +53,10 @@ Differences from the simulator's model (`costmodel._traffic`, `costmodel._ring`)
 - The model counts all-to-all and K/V bytes at 2 bytes per element (BF16); the runtime moves
   the compute dtype (4 bytes in fp32 runs).
 
-This package may import the core and torch only, never search, costmodel or dashboard. Still
-to come (DESIGN §8): the Llama-style model and the torchrun train loop.
+This package may import the core and torch only, never search, costmodel or dashboard.
 """
 
 from hexiseq.runtime.attention import CPHPAttention
+from hexiseq.runtime.model import LlamaModel, LocalAttention, build_model
 
-__all__ = ["CPHPAttention"]
+__all__ = ["CPHPAttention", "LlamaModel", "LocalAttention", "build_model"]

@@ -1,0 +1,82 @@
+"""Emulated heterogeneity: a rank made k times slower by sleeping after its compute.
+
+A CPU test cluster gives a device `emulation_slowdown` k (DESIGN §2, cluster YAML). The rank
+then sleeps (k - 1) x the measured duration of each compute phase, right after it, instead of
+computing more: ranks that share a machine's cores do not compete for them, and the waiting
+peers see exactly the delay a slower device would cause. A compute phase is the forward or the
+backward of one parametrized leaf module (linear projections, norms, LM head); elementwise
+work in between (RoPE, SiLU, residuals) and attention kernels inside `CPHPAttention` (which
+interleave with ring communication) are not padded. Sleeps shorter than `MIN_SLEEP_S` are
+carried over, since `time.sleep` overshoots tiny requests; `flush()` pays what is left.
+"""
+
+from __future__ import annotations
+
+import time
+
+from torch import nn
+
+MIN_SLEEP_S = 1e-3
+
+
+class ComputePadding:
+    """Forward and backward hooks that pad every phase of `model` by (slowdown - 1) x."""
+
+    def __init__(self, model: nn.Module, slowdown: float) -> None:
+        if slowdown < 1.0:
+            raise ValueError(f"emulation slowdown must be >= 1 (got {slowdown})")
+        self.extra = slowdown - 1.0
+        self.debt_s = 0.0
+        self.padded_s = 0.0  # total slept, for reporting
+        self._open = 0
+        self._opened_at = 0.0
+        self._handles = []
+        if self.extra > 0:
+            for module in model.modules():
+                if _is_padded(module):
+                    self._hook(module)
+
+    def _hook(self, module: nn.Module) -> None:
+        self._handles += [
+            module.register_forward_pre_hook(self._start),
+            module.register_forward_hook(self._end),
+            module.register_full_backward_pre_hook(self._start),
+            module.register_full_backward_hook(self._end),
+        ]
+
+    def _start(self, *_args) -> None:
+        """Phases may overlap (the backward of q/k/v projections sharing one input): time the
+        union of open phases, and sleep only when none is open, so no sleep is timed."""
+        if self._open == 0:
+            self._opened_at = time.perf_counter()
+        self._open += 1
+
+    def _end(self, *_args) -> None:
+        self._open -= 1
+        if self._open == 0:
+            self.debt_s += self.extra * (time.perf_counter() - self._opened_at)
+            if self.debt_s >= MIN_SLEEP_S:
+                self.flush()
+
+    def flush(self) -> None:
+        """Sleep off the padding still owed."""
+        if self.debt_s <= 0:
+            return
+        began = time.perf_counter()
+        time.sleep(self.debt_s)
+        slept = time.perf_counter() - began
+        self.padded_s += slept
+        self.debt_s -= slept
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _is_padded(module: nn.Module) -> bool:
+    """Leaf modules that own parameters (linears, RMSNorm); not the embedding lookup."""
+    if isinstance(module, nn.Embedding):
+        return False
+    has_children = any(True for _ in module.children())
+    return not has_children and any(True for _ in module.parameters(recurse=False))

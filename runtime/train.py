@@ -1,0 +1,325 @@
+"""Train a plan's model with its CP-HP layout under torchrun, measuring every rank's steps.
+
+    torchrun --nproc-per-node N -m hexiseq.runtime.train --plan plan.json --steps K [--store URL]
+
+Loads the `Plan`, checks the world size against it, builds the plan's model (seeded, the same
+on every rank) over `CPHPAttention(plan.layout())` on CPU (gloo) or CUDA (NCCL), draws random
+tokens (seeded per step), runs K AdamW steps and records one row per rank per step in the
+store (`runtime_runs` / `runtime_measurements`), written by rank 0 after each step.
+
+What is measured (per rank, per step):
+- step_time_s: barrier -> barrier around the whole step (forward, backward, gradient
+  all-reduce, optimizer): the step as the domain sees it, the same on every rank up to the
+  barrier's skew. On CPU perf_counter; on CUDA events recorded after the opening barrier and
+  after the closing one (read after synchronizing).
+- rank_time_s: from the opening barrier until this rank's optimizer step ended (before the
+  closing barrier); it still includes waiting on peers inside collectives.
+- peak_memory_bytes: CUDA `torch.cuda.max_memory_allocated` of that step (stats reset before
+  it; tensors only, not the allocator's cache or the NCCL buffers): memory_measure
+  "cuda_max_allocated". CPU: the process's peak resident set size since it started
+  (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, KiB on Linux), which includes Python, torch
+  and gloo: memory_measure "cpu_max_rss"; it never decreases from step to step.
+- Emulated slowdown k of the rank's device (cluster `emulation_slowdown`): the rank sleeps
+  (k - 1) x each compute phase (`_emulation`); rows are labelled as emulation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hexiseq.errors import HexiseqError, InputError
+from hexiseq.plan import Plan
+from hexiseq.runtime._emulation import ComputePadding
+from hexiseq.runtime.attention import CPHPAttention
+from hexiseq.runtime.loss import all_reduce_gradients, next_token_labels, sharded_next_token_loss
+from hexiseq.runtime.model import LlamaModel, build_model, token_positions
+from hexiseq.store import DEFAULT_STORE_URL, RuntimeMeasurement, Store
+
+EXIT_BAD_INPUT = 2
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    plan_path: str
+    steps: int
+    store_url: str | None
+    seed: int
+    learning_rate: float
+    device: str  # "auto", "cpu" or "cuda"
+    dtype: str  # "auto", "float32" or "bfloat16"
+
+
+@dataclass
+class RankContext:
+    """What this rank runs on and how it is labelled."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    autocast_dtype: torch.dtype | None
+    device_label: str
+    slowdown: float
+
+    @property
+    def emulation_label(self) -> str:
+        if self.slowdown == 1.0:
+            return "none"
+        return f"emulated {self.slowdown:g}x slower (compute padded by sleeping)"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
+    parser = argparse.ArgumentParser(
+        prog="hexiseq.runtime.train", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--plan", required=True, metavar="PATH", help="plan JSON file")
+    parser.add_argument("--steps", type=int, default=5, metavar="K", help="training steps")
+    parser.add_argument("--store", default=DEFAULT_STORE_URL, metavar="URL", help="store URL")
+    parser.add_argument("--no-store", action="store_true", help="record nothing")
+    parser.add_argument("--seed", type=int, default=0, help="parameter and token seed")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default="auto",
+        help="compute dtype: bfloat16 autocast (parameters and AdamW fp32); auto = bfloat16 "
+        "on CUDA, float32 on CPU",
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1 (got {args.steps})")
+    return TrainOptions(
+        plan_path=args.plan,
+        steps=args.steps,
+        store_url=None if args.no_store else args.store,
+        seed=args.seed,
+        learning_rate=args.lr,
+        device=args.device,
+        dtype=args.dtype,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point under torchrun; returns the exit code (2 for bad input, on every rank)."""
+    options = parse_args(argv)
+    try:
+        plan = Plan.from_json(options.plan_path)
+        check_world_size(plan)
+    except HexiseqError as error:
+        print(f"hexiseq.runtime.train: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    context = init_rank(plan, options)
+    try:
+        return train(plan, options, context)
+    finally:
+        dist.destroy_process_group()
+
+
+def check_world_size(plan: Plan) -> None:
+    """The torchrun world must have one rank per device of the plan."""
+    world_size = int(os.environ.get("WORLD_SIZE", "0"))
+    if world_size != plan.cluster.world_size:
+        raise InputError(
+            f"plan '{plan.name}' is for {plan.cluster.world_size} ranks but torchrun started "
+            f"{world_size or 'none (run under torchrun)'}; use --nproc-per-node "
+            f"{plan.cluster.world_size}"
+        )
+
+
+def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
+    """Join the process group (gloo on CPU, NCCL on CUDA) and pick this rank's device."""
+    use_cuda = options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    planned = plan.cluster.devices[rank]
+    actual = torch.cuda.get_device_name(device) if use_cuda else "cpu"
+    dtype = options.dtype if options.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
+    return RankContext(
+        rank=rank,
+        world_size=dist.get_world_size(),
+        device=device,
+        autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
+        device_label=f"{actual} (plan: {planned.gpu})",
+        slowdown=float(planned.emulation_slowdown),
+    )
+
+
+def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
+    """K AdamW steps of the plan, measured and recorded; returns the exit code."""
+    store, run_id = open_run(plan, options, context)
+    model = build_model(
+        plan.model, CPHPAttention(plan.layout()), seed=options.seed, device=context.device
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=options.learning_rate)
+    padding = ComputePadding(model, context.slowdown)
+    positions = token_positions(plan.layout(), context.rank).to(context.device)
+    for step in range(options.steps):
+        measurement = measure_step(
+            plan, options, context, model, optimizer, padding, positions, step
+        )
+        rows = [None] * context.world_size
+        dist.all_gather_object(rows, measurement)
+        if store is not None:
+            store.add_runtime_measurements(run_id, rows)
+        if context.rank == 0:
+            print(describe_step(rows), flush=True)
+    if store is not None:
+        store.close()
+    return 0
+
+
+def open_run(
+    plan: Plan, options: TrainOptions, context: RankContext
+) -> tuple[Store | None, int | None]:
+    """Rank 0 opens the store and records the run; every rank learns whether that worked."""
+    outcome: list[object] = [None]
+    store = None
+    if context.rank == 0 and options.store_url is not None:
+        try:
+            store = Store.open(options.store_url)
+            outcome[0] = record_run(store, plan, options, context)
+        except HexiseqError as error:
+            outcome[0] = error
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], HexiseqError):
+        raise outcome[0]
+    return store, outcome[0]
+
+
+def record_run(store: Store, plan: Plan, options: TrainOptions, context: RankContext) -> int:
+    plan_json = plan.to_json_text()
+    return store.save_runtime_run(
+        plan_json,
+        plan_hash=hashlib.sha256(plan_json.encode()).hexdigest(),
+        plan_id=store.find_plan_id(plan_json),
+        plan_name=plan.name,
+        model_name=plan.model.name,
+        seq_len=plan.train.seq_len,
+        world_size=context.world_size,
+        steps=options.steps,
+        backend=dist.get_backend(),
+        device=context.device.type,
+        dtype=str(context.autocast_dtype or torch.float32).removeprefix("torch."),
+        emulation=any(d.emulation_slowdown != 1.0 for d in plan.cluster.devices),
+        torch_version=torch.__version__,
+    )
+
+
+def step_tokens(plan: Plan, seed: int, step: int) -> torch.Tensor:
+    """Random token ids (micro_batches, S) of the whole sequence for `step`, the same on every
+    rank (drawn on the CPU from seed and step)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    shape = (plan.train.micro_batches, plan.train.seq_len)
+    return torch.randint(0, plan.model.vocab, shape, generator=generator)
+
+
+def measure_step(
+    plan: Plan,
+    options: TrainOptions,
+    context: RankContext,
+    model: LlamaModel,
+    optimizer: torch.optim.Optimizer,
+    padding: ComputePadding,
+    positions: torch.Tensor,
+    step: int,
+) -> RuntimeMeasurement:
+    """Run one training step between two barriers and measure it (see the module docstring)."""
+    tokens = step_tokens(plan, options.seed, step).to(context.device)
+    cuda = context.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(context.device)
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    dist.barrier()
+    if cuda:
+        torch.cuda.synchronize(context.device)
+        events[0].record()
+    began = time.perf_counter()
+    loss = run_step(plan, context, model, optimizer, padding, tokens, positions)
+    own_end = time.perf_counter()
+    if cuda:
+        events[1].record()
+    dist.barrier()
+    if cuda:
+        events[2].record()
+        torch.cuda.synchronize(context.device)
+        rank_time_s = events[0].elapsed_time(events[1]) / 1e3
+        step_time_s = events[0].elapsed_time(events[2]) / 1e3
+        peak_bytes = torch.cuda.max_memory_allocated(context.device)
+    else:
+        step_time_s = time.perf_counter() - began
+        rank_time_s = own_end - began
+        peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return RuntimeMeasurement(
+        rank=context.rank,
+        step=step,
+        step_time_s=step_time_s,
+        rank_time_s=rank_time_s,
+        peak_memory_bytes=int(peak_bytes),
+        memory_measure="cuda_max_allocated" if cuda else "cpu_max_rss",
+        device=context.device_label,
+        loss=loss,
+        emulation_slowdown=context.slowdown,
+        emulation_label=context.emulation_label,
+    )
+
+
+def run_step(
+    plan: Plan,
+    context: RankContext,
+    model: LlamaModel,
+    optimizer: torch.optim.Optimizer,
+    padding: ComputePadding,
+    tokens_MS: torch.Tensor,
+    positions: torch.Tensor,
+) -> float:
+    """Forward and backward of each micro-batch (gradient accumulation), gradient all-reduce,
+    AdamW. Returns the step's loss: the mean over its micro-batches of each sequence's mean."""
+    micro_batches = tokens_MS.shape[0]
+    losses = []
+    for index in range(micro_batches):
+        tokens_BS = tokens_MS[index : index + 1]
+        with torch.autocast(
+            context.device.type,
+            dtype=context.autocast_dtype or torch.float32,
+            enabled=context.autocast_dtype is not None,
+        ):
+            logits = model(tokens_BS[:, positions], positions)
+        loss = sharded_next_token_loss(logits, next_token_labels(tokens_BS, positions))
+        (loss.local_share / micro_batches).backward()
+        losses.append(loss.global_loss.item())
+    padding.flush()
+    all_reduce_gradients(list(model.parameters()))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return statistics.fmean(losses)
+
+
+def describe_step(rows: list[RuntimeMeasurement]) -> str:
+    first = rows[0]
+    peak_mib = ", ".join(f"{row.peak_memory_bytes / 2**20:.0f}" for row in rows)
+    return (
+        f"step {first.step}: loss {first.loss:.4f}  step {first.step_time_s * 1e3:.1f} ms  "
+        f"peak MiB per rank ({first.memory_measure}) [{peak_mib}]"
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
