@@ -24,8 +24,8 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from resource import RUSAGE_CHILDREN, RUSAGE_SELF, getrusage
+
+from _results import cpu_seconds, replace_section
 
 from hexiseq import (
     Cluster,
@@ -56,8 +56,6 @@ FLOP_PAIRS = (
     ("h100x8-a100x24", "h100x16", "llama-30b"),
     ("mix4-32-large", "b200x16", "llama3-70b"),
 )
-RESULTS = Path(__file__).with_name("RESULTS.md")
-START, END = "<!-- paper_scenarios:start -->", "<!-- paper_scenarios:end -->"
 
 
 @dataclass(frozen=True)
@@ -338,22 +336,9 @@ def summary(rows: list[Row], pairs: list[PairRow]) -> list[str]:
     return lines
 
 
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and its finished children."""
-    own, children = (getrusage(who) for who in (RUSAGE_SELF, RUSAGE_CHILDREN))
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def update_results(section_body: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (between its markers), or append it."""
-    section = f"{START}\n{section_body}\n{END}"
-    text = RESULTS.read_text() if RESULTS.exists() else "# hexiseq benchmark results\n"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        text = before + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+    """Replace this benchmark's section of RESULTS.md."""
+    replace_section("paper_scenarios", section_body)
 
 
 def reading(rows: list[Row], pairs: list[PairRow]) -> str:

@@ -27,8 +27,8 @@ import shlex
 import sys
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
-from resource import RUSAGE_CHILDREN, RUSAGE_SELF, getrusage
+
+from _results import cpu_seconds, replace_section
 
 from hexiseq import Cluster, InfeasibleError, ModelSpec, Plan, TrainSpec, plan_search
 from hexiseq.costmodel import DatasheetCostModel
@@ -60,8 +60,6 @@ LABELS = (
     ("greedy list x knobs", "knob_sweep_tokens_per_s"),
     ("optuna-40", "optuna_tokens_per_s"),
 )
-RESULTS = Path(__file__).with_name("RESULTS.md")
-START, END = "<!-- plan_quality:start -->", "<!-- plan_quality:end -->"
 
 
 @dataclass(frozen=True)
@@ -518,22 +516,9 @@ def reading(results: list[CaseResult], large: LargeResult) -> str:
     )
 
 
-def cpu_seconds() -> float:
-    """User + system CPU seconds of this process and its finished children."""
-    own, children = (getrusage(who) for who in (RUSAGE_SELF, RUSAGE_CHILDREN))
-    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
-
-
 def update_results(section_body: str) -> None:
-    """Replace this benchmark's section of RESULTS.md (between its markers), or append it."""
-    section = f"{START}\n{section_body}\n{END}"
-    text = RESULTS.read_text() if RESULTS.exists() else "# hexiseq benchmark results\n"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        text = before + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+    """Replace this benchmark's section of RESULTS.md."""
+    replace_section("plan_quality", section_body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,7 +29,8 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
+
+from _results import replace_section
 
 from hexiseq import Cluster, InfeasibleError, InfeasiblePlan, Plan, plan_search
 from hexiseq.search import SearchResult
@@ -45,8 +46,6 @@ TYPE_COUNTS = (1, 2, 4, 8)
 QUICK_SIZES, QUICK_TYPE_COUNTS = (16, 128, 1024), (1, 4, 8)
 REPEATS, QUICK_REPEATS = 5, 3
 GOAL_128_S, AIM_128_S, GOAL_1024_S = 0.5, 0.1, 5.0
-RESULTS = Path(__file__).with_name("RESULTS.md")
-START, END = "<!-- planner_scaling:start -->", "<!-- planner_scaling:end -->"
 
 
 @dataclass(frozen=True)
@@ -197,7 +196,6 @@ def update_results(table: str, goals: list[str], repeats: int, command: str) -> 
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join(
         [
-            START,
             "## Planner scaling",
             "",
             f"Default `plan_search` (greedy short list + local MILP + baselines), median of "
@@ -214,16 +212,9 @@ def update_results(table: str, goals: list[str], repeats: int, command: str) -> 
             *goals,
             "",
             f"Produced by `{command}`.",
-            END,
         ]
     )
-    text = RESULTS.read_text() if RESULTS.exists() else "# hexiseq benchmark results\n"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        text = before + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+    replace_section("planner_scaling", section)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -17,9 +17,9 @@ import random
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
+from _results import replace_section
 
 from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout, build_zigzag_layout
 from hexiseq.costmodel import DatasheetCostModel, simulate_step
@@ -31,8 +31,6 @@ SEQ_LEN = 1 << 20
 REPEATS = 5
 # (GPUs, ranks per HP group, target median ms): the plan search's budget per simulation.
 CASES = ((128, 8, 5.0), (1024, 8, 40.0), (1024, 1, 300.0))
-RESULTS = Path(__file__).with_name("RESULTS.md")
-START, END = "<!-- simulator_speed:start -->", "<!-- simulator_speed:end -->"
 
 
 def mixed_cluster(gpus: int) -> Cluster:
@@ -104,7 +102,6 @@ def update_results(table: str) -> None:
     """Replace this benchmark's section of RESULTS.md (between its markers), or append it."""
     section = "\n".join(
         [
-            START,
             "## Step simulator speed",
             "",
             f"`simulate_step`, median of {REPEATS} runs after one warm-up "
@@ -116,16 +113,9 @@ def update_results(table: str) -> None:
             table,
             "",
             "Produced by `.venv/bin/python benchmarks/simulator_speed.py`.",
-            END,
         ]
     )
-    text = RESULTS.read_text() if RESULTS.exists() else "# hexiseq benchmark results\n"
-    if START in text and END in text:
-        before, rest = text.split(START, 1)
-        text = before + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    RESULTS.write_text(text)
+    replace_section("simulator_speed", section)
 
 
 def main() -> int:
