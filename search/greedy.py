@@ -73,11 +73,17 @@ def default_choices(
 
 
 def greedy_candidates(
-    cluster: Cluster, model: ModelSpec, checkpointing: bool = True
+    cluster: Cluster,
+    model: ModelSpec,
+    checkpointing: bool = True,
+    speed_by_type: dict[str, float] | None = None,
 ) -> list[GlobalChoices]:
     """The greedy stage's short list, best guess first: the link rule of `default_choices`,
     then every type at the same HP degree (1, 2, 4, ... up to the largest node), each capped
-    at what a type's nodes and the head count allow."""
+    at what a type's nodes and the head count allow; with `speed_by_type`, also the slowest
+    type in one HP group per node and every other type at HP 1 (a slow node then computes few,
+    large blocks while the fast ones keep the ring busy: the exhaustive search's most common
+    winner in benchmarks/plan_quality.py)."""
     first = default_choices(cluster, model, checkpointing)
     largest = max(max(candidate_hp_degrees(cluster, model, gpu)) for gpu in cluster.gpu_types)
     degrees, d = [], 1
@@ -92,6 +98,13 @@ def greedy_candidates(
             for gpu in cluster.gpu_types
         }
         choice = GlobalChoices(capped, "bandwidth", None, checkpointing)
+        if all(choice.key() != c.key() for c in candidates):
+            candidates.append(choice)
+    if speed_by_type and len(cluster.gpu_types) > 1:
+        slowest = min(cluster.gpu_types, key=lambda gpu: speed_by_type[gpu])
+        degrees_of = {gpu: 1 for gpu in cluster.gpu_types}
+        degrees_of[slowest] = max(candidate_hp_degrees(cluster, model, slowest))
+        choice = GlobalChoices(degrees_of, "bandwidth", None, checkpointing)
         if all(choice.key() != c.key() for c in candidates):
             candidates.append(choice)
     return candidates

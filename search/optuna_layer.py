@@ -23,6 +23,7 @@ from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import (
     RING_ORDERS,
     GlobalChoices,
+    attention_speeds,
     candidate_hp_degrees,
     chunk_quantum,
     greedy_candidates,
@@ -161,7 +162,9 @@ def _score_greedy(study, objective: _Objective) -> int:
     problem = objective.problem
     quantum = objective.quanta[len(objective.quanta) // 2]
     keeps_checkpoints = True in problem.checkpointing_options
-    greedy = greedy_candidates(problem.cluster, problem.model, keeps_checkpoints)
+    speeds = attention_speeds(problem)
+    speed_by_type = {d.gpu: speed for d, speed in zip(problem.cluster.devices, speeds)}
+    greedy = greedy_candidates(problem.cluster, problem.model, keeps_checkpoints, speed_by_type)
     for choices in greedy:
         study.enqueue_trial(params_of(choices, quantum))
     study.optimize(objective, n_trials=len(greedy))

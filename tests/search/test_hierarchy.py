@@ -157,10 +157,12 @@ def test_search_never_loses_to_the_greedy_default():
 def test_storage_keeps_the_study_and_a_later_run_goes_on(tmp_path):
     url = f"sqlite:///{tmp_path / 'study.db'}"
     first = plan_search("h100x8-a100x8", "llama3-8b", "256k", n_trials=6, storage=url)
+    after_first = len(optuna.load_study(study_name=first.study_name, storage=url).trials)
     second = plan_search("h100x8-a100x8", "llama3-8b", "256k", n_trials=3, storage=url)
     study = optuna.load_study(study_name=first.study_name, storage=url)
     assert first.study_name == second.study_name
-    assert len(study.trials) == 9
+    assert after_first >= 6  # a new study scores at least the greedy short list
+    assert len(study.trials) == after_first + 3
 
 
 def test_workers_share_one_study(tmp_path):
