@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hexiseq.layout import AttentionLayout
+from hexiseq.layout import AttentionLayout, kv_keepers
 
 BF16 = 2
 FP32 = 4
@@ -114,7 +114,7 @@ def ring_senders(layout: AttentionLayout) -> RingSenders:
     senders_of: list[list[int]] = [[] for _ in range(world)]
     group_count = len(layout.groups)
     for position, members in enumerate(layout.groups):
-        holder = _kv_holders(layout, layout.groups[(position - 1) % group_count])
+        holder = kv_keepers(layout, layout.groups[(position - 1) % group_count])
         for rank in members:
             low, high = layout.kv_head_range(rank)
             for head in range(low, high):
@@ -133,8 +133,8 @@ def dkv_ring_senders(layout: AttentionLayout) -> RingSenders:
     senders_of: list[set[int]] = [set() for _ in range(world)]
     group_count = len(layout.groups)
     for position, members in enumerate(layout.groups):
-        previous = _kv_holders(layout, layout.groups[(position - 1) % group_count])
-        for head, keeper in _kv_holders(layout, members).items():
+        previous = kv_keepers(layout, layout.groups[(position - 1) % group_count])
+        for head, keeper in kv_keepers(layout, members).items():
             senders_of[keeper].add(previous[head])
             heads_in[keeper] += 1
             heads_out[previous[head]] += 1
@@ -155,7 +155,7 @@ class FoldLinks:
 def fold_links(layout: AttentionLayout) -> FoldLinks:
     pairs: dict[tuple[int, int], int] = {}
     for members in layout.groups:
-        keeper_of = _kv_holders(layout, members)
+        keeper_of = kv_keepers(layout, members)
         for rank in members:
             low, high = layout.kv_head_range(rank)
             for head in range(low, high):
@@ -183,12 +183,3 @@ def _links(senders_of: list[list[int]], heads_in: list[int], heads_out: list[int
         heads_out=np.array(heads_out, dtype=np.int64),
         sender_columns=tuple(np.ascontiguousarray(column) for column in padded.T),
     )
-
-
-def _kv_holders(layout: AttentionLayout, members: tuple[int, ...]) -> dict[int, int]:
-    holder: dict[int, int] = {}
-    for rank in sorted(members):
-        low, high = layout.kv_head_range(rank)
-        for head in range(low, high):
-            holder.setdefault(head, rank)
-    return holder

@@ -7,7 +7,7 @@ raises `InputError` (a `ValueError`) with a one-line message naming what is brok
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -137,6 +137,18 @@ def _merge_ranges(ranges: Sequence[Range]) -> tuple[Range, ...]:
 
 def _total_length(ranges: Sequence[Range]) -> int:
     return sum(end - start for start, end in ranges)
+
+
+def kv_keepers(layout: AttentionLayout, members: Iterable[int]) -> dict[int, int]:
+    """K/V head -> the lowest rank among `members` that holds it: the head's sender on the
+    ring hop and the keeper of its dK/dV accumulator. The runtime and the simulator's traffic
+    model both follow this rule."""
+    keeper: dict[int, int] = {}
+    for rank in sorted(members):
+        low, high = layout.kv_head_range(rank)
+        for head in range(low, high):
+            keeper.setdefault(head, rank)
+    return keeper
 
 
 # --- pure helpers -----------------------------------------------------------------------------

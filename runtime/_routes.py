@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from hexiseq.layout import AttentionLayout
+from hexiseq.layout import AttentionLayout, kv_keepers
 
 Range = tuple[int, int]
 
@@ -119,14 +119,8 @@ def segment_in_member_order(layout: AttentionLayout, group_index: int) -> tuple[
 
 
 def lowest_holders(layout: AttentionLayout, members: Iterable[int]) -> dict[int, int]:
-    """K/V head -> lowest rank among `members` that holds it (the head's ring sender and the
-    keeper of its dK/dV accumulator)."""
-    holder: dict[int, int] = {}
-    for rank in sorted(members):
-        low, high = layout.kv_head_range(rank)
-        for head in range(low, high):
-            holder.setdefault(head, rank)
-    return holder
+    """K/V head -> its keeper among `members` (`hexiseq.layout.kv_keepers`)."""
+    return kv_keepers(layout, members)
 
 
 def ring_kv_transfers(layout: AttentionLayout, group_index: int) -> tuple[Transfer, ...]:
