@@ -4,19 +4,40 @@ A CPU test cluster gives a device `emulation_slowdown` k (DESIGN §2, cluster YA
 then sleeps (k - 1) x the measured duration of each compute phase, right after it, instead of
 computing more: ranks that share a machine's cores do not compete for them, and the waiting
 peers see exactly the delay a slower device would cause. A compute phase is the forward or the
-backward of one parametrized leaf module (linear projections, norms, LM head); elementwise
-work in between (RoPE, SiLU, residuals) and attention kernels inside `CPHPAttention` (which
-interleave with ring communication) are not padded. Sleeps shorter than `MIN_SLEEP_S` are
-carried over, since `time.sleep` overshoots tiny requests; `flush()` pays what is left.
+backward of one parametrized leaf module (linear projections, norms, LM head), and each ring
+step's attention kernels inside `CPHPAttention` (`compute_phase`, around the block compute
+only: the hop posted before it keeps travelling while the rank sleeps, as it would while a
+slower device computes). Elementwise work in between (RoPE, SiLU, residuals) is not padded.
+Sleeps shorter than `MIN_SLEEP_S` are carried over, since `time.sleep` overshoots tiny
+requests; `flush()` pays what is left.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
 
 MIN_SLEEP_S = 1e-3
+
+_active: ComputePadding | None = None
+"""The padding of this process's model, which `compute_phase` adds to (one model per rank)."""
+
+
+@contextmanager
+def compute_phase() -> Iterator[None]:
+    """Time the block inside as compute of the active padding (if any) and pad it."""
+    padding = _active
+    if padding is None:
+        yield
+        return
+    padding._start()
+    try:
+        yield
+    finally:
+        padding._end()
 
 
 class ComputePadding:
@@ -35,6 +56,8 @@ class ComputePadding:
             for module in model.modules():
                 if _is_padded(module):
                     self._hook(module)
+            global _active
+            _active = self
 
     def _hook(self, module: nn.Module) -> None:
         self._handles += [
@@ -69,9 +92,12 @@ class ComputePadding:
         self.debt_s -= slept
 
     def remove(self) -> None:
+        global _active
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if _active is self:
+            _active = None
 
 
 def _is_padded(module: nn.Module) -> bool:

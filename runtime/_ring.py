@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from hexiseq.runtime._block import OnlineSoftmax, attend_block, block_gradients, expansion_index
+from hexiseq.runtime._emulation import compute_phase
 from hexiseq.runtime._p2p import (
     DKV_TAG,
     FOLD_TAG,
@@ -88,7 +89,8 @@ def ring_forward(
     block = kv_2BHSD
     for step in range(ring.num_steps):
         exchange = _post_kv_hop(ring, block, step)
-        attend_block(merged, q_BHLD, block, ring.tiles(step, causal), expansion, scale)
+        with compute_phase():
+            attend_block(merged, q_BHLD, block, ring.tiles(step, causal), expansion, scale)
         if exchange is not None:
             block = assemble_heads(exchange.wait())
     return merged.out_BHLD, merged.lse_BHL
@@ -108,7 +110,8 @@ def ring_backward(
     for step in range(ring.num_steps):
         exchange = _post_kv_hop(ring, block, step)
         tiles = ring.tiles(step, causal)
-        partial = block_gradients(dq_BHLD, saved, block, tiles, expansion, scale)
+        with compute_phase():
+            partial = block_gradients(dq_BHLD, saved, block, tiles, expansion, scale)
         if step == 0:
             home_dkv = partial  # the owner's own share stays home
         else:

@@ -12,7 +12,7 @@ import torch
 
 from hexiseq import Cluster, ModelSpec
 from hexiseq.errors import InputError
-from hexiseq.runtime._emulation import MIN_SLEEP_S, ComputePadding
+from hexiseq.runtime._emulation import MIN_SLEEP_S, ComputePadding, compute_phase
 from hexiseq.runtime.model import LocalAttention, build_model
 from hexiseq.store import RuntimeMeasurement, Store
 
@@ -32,6 +32,31 @@ def test_compute_padding_sleeps_k_minus_1_times_the_phases_and_never_inside_one(
     unpadded_s = total_s - padding.padded_s
     assert padding._open == 0
     assert 0.5 * unpadded_s < padding.padded_s <= 2.0 * unpadded_s + 3 * MIN_SLEEP_S
+
+
+def test_attention_blocks_are_padded_only_while_a_padding_is_active():
+    """`compute_phase` (around each ring step's attention kernels) adds (k - 1) x its own
+    duration to the active padding; without an active padding, or after `remove`, nothing."""
+    model = build_model(ModelSpec.preset("tiny"), LocalAttention())
+    busy_s = 0.02
+
+    def spin() -> None:
+        began = time.perf_counter()
+        while time.perf_counter() - began < busy_s:
+            pass
+
+    with compute_phase():
+        spin()  # no padding yet
+    padding = ComputePadding(model, 2.5)
+    with compute_phase():
+        spin()
+    assert padding.padded_s >= 1.5 * busy_s  # slept right after the phase (debt >= 1 ms)
+    assert padding.debt_s < MIN_SLEEP_S
+    padding.remove()
+    before = padding.padded_s
+    with compute_phase():
+        spin()
+    assert padding.padded_s == before
 
 
 def measurement(rank: int, step: int, **overrides) -> RuntimeMeasurement:
