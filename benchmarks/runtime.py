@@ -184,23 +184,29 @@ def attention_section(quick: bool) -> str:
 # --- 2. communication volume ---------------------------------------------------------------
 
 
+CHECKPOINTED = " + activation checkpointing"
+
+
 def traffic_layouts(seq_len: int) -> dict[str, AttentionLayout]:
-    """World-4 layouts of the 'tiny' model (8 query heads, 2 K/V heads: GQA boundaries)."""
+    """World-4 layouts of the 'tiny' model (8 query heads, 2 K/V heads: GQA boundaries); a
+    name ending in CHECKPOINTED runs with activation checkpointing (the recompute)."""
     model = ModelSpec.preset("tiny")
     h, kv = model.heads, model.kv_heads
+    uneven = build_zigzag_layout(
+        seq_len,
+        h,
+        kv,
+        groups=[[0, 1], [2, 3]],
+        segment_lengths=[seq_len * 5 // 8, seq_len * 3 // 8],
+        token_weights=[[2, 1], [1, 3]],
+        head_counts=[[5, 3], [3, 5]],
+        chunk_quantum=16,
+    )
     return {
         "ring cp=4 (zigzag)": build_uniform_layout(seq_len, h, kv, [1, 1, 1, 1]),
         "ulysses hp=4": build_uniform_layout(seq_len, h, kv, [4]),
-        "2 groups of 2, uneven tokens and heads 5/3": build_zigzag_layout(
-            seq_len,
-            h,
-            kv,
-            groups=[[0, 1], [2, 3]],
-            segment_lengths=[seq_len * 5 // 8, seq_len * 3 // 8],
-            token_weights=[[2, 1], [1, 3]],
-            head_counts=[[5, 3], [3, 5]],
-            chunk_quantum=16,
-        ),
+        "2 groups of 2, uneven tokens and heads 5/3": uneven,
+        "2 groups of 2, uneven" + CHECKPOINTED: uneven,
     }
 
 
@@ -242,7 +248,8 @@ def _traffic_worker(rank: int, world: int, layout_dicts: dict[str, dict]) -> dic
     results = {}
     for name, document in layout_dicts.items():
         layout = AttentionLayout.from_dict(document)
-        model = build_model(spec, CPHPAttention(layout), seed=0)
+        checkpointing = name.endswith(CHECKPOINTED)
+        model = build_model(spec, CPHPAttention(layout), seed=0, checkpointing=checkpointing)
         positions = token_positions(layout, rank)
         tokens = torch.randint(0, spec.vocab, (1, layout.seq_len), generator=_seeded(1))
         recorder = _Recorder()
@@ -262,19 +269,25 @@ def traffic_section(quick: bool) -> str:
     seq_len = 1024 if quick else 4096
     layouts = traffic_layouts(seq_len)
     model = ModelSpec.preset("tiny")
-    # The runtime runs fp32 on CPU and recomputes nothing: count the same.
-    train = TrainSpec(seq_len=seq_len, activation_checkpointing=False, compute_dtype_bytes=4)
+    # The runtime runs fp32 on CPU: count the same.
+    trains = {
+        checkpointing: TrainSpec(
+            seq_len=seq_len, activation_checkpointing=checkpointing, compute_dtype_bytes=4
+        )
+        for checkpointing in (False, True)
+    }
     measured = _spawn(_traffic_worker, 4, {n: lay.to_dict() for n, lay in layouts.items()})
     lines = [
         f"Model `tiny` (2 layers, 8 heads, 2 K/V heads, head_dim 16), {seq_len:,} tokens, "
-        "fp32, one training step (forward + backward), bytes summed over the 4 ranks.",
+        "fp32, one training step (forward, recompute where checkpointed, backward), bytes "
+        "summed over the 4 ranks.",
         "",
         "| layout | kind | measured bytes | simulator bytes | equal per rank |",
         "|---|---|---:|---:|---|",
     ]
     all_equal = True
     for name, layout in layouts.items():
-        counted = step_traffic_bytes(layout, model, train)
+        counted = step_traffic_bytes(layout, model, trains[name.endswith(CHECKPOINTED)])
         for kind in TRAFFIC_KINDS:
             got = [int(rank_result[name].get(kind, 0)) for rank_result in measured]
             want = [int(round(x)) for x in counted[kind]]

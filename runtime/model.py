@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as functional
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec
@@ -145,12 +146,18 @@ class LlamaModel(nn.Module):
     `attention` is called as `attention(q, k, v, causal=True)` in sequence-sharded form by
     every layer (`CPHPAttention` holds no parameters, so one instance serves all layers).
     Build with `build_model` for identical, seeded parameters on every rank.
+
+    With `checkpointing`, each block keeps only its input and runs its forward again in the
+    backward pass (activation checkpointing, as the plan's `activation_checkpointing` says
+    and the memory model and simulator count): the recompute repeats the block's all-to-alls
+    and ring, on every rank in the same order.
     """
 
-    def __init__(self, spec: ModelSpec, attention: nn.Module) -> None:
+    def __init__(self, spec: ModelSpec, attention: nn.Module, checkpointing: bool = False) -> None:
         super().__init__()
         self.spec = spec
         self.attention = attention
+        self.checkpointing = checkpointing
         self.embedding = nn.Embedding(spec.vocab, spec.hidden)
         self.blocks = nn.ModuleList(DecoderBlock(spec) for _ in range(spec.layers))
         self.final_norm = RMSNorm(spec.hidden)
@@ -163,7 +170,10 @@ class LlamaModel(nn.Module):
         x_BTE = self.embedding(tokens_BT)
         rope = rope_tables(positions_T, self.spec.head_dim, x_BTE.dtype)
         for block in self.blocks:
-            x_BTE = block(x_BTE, rope, self.attention)
+            if self.checkpointing and torch.is_grad_enabled():
+                x_BTE = checkpoint(block, x_BTE, rope, self.attention, use_reentrant=False)
+            else:
+                x_BTE = block(x_BTE, rope, self.attention)
         return self.lm_head(self.final_norm(x_BTE))
 
     @torch.no_grad()
@@ -186,13 +196,14 @@ def build_model(
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
+    checkpointing: bool = False,
 ) -> LlamaModel:
     """A `LlamaModel` with parameters from `reset_parameters(seed)`, on `device` in `dtype`.
 
     Built on the meta device first, so no time goes into a default initialization.
     """
     with torch.device("meta"):
-        model = LlamaModel(spec, attention)
+        model = LlamaModel(spec, attention, checkpointing)
     model.to_empty(device=device)
     if spec.tied_embeddings:  # to_empty makes a fresh tensor per module; tie them again
         model.lm_head.weight = model.embedding.weight

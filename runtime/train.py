@@ -166,7 +166,11 @@ def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
     """K AdamW steps of the plan, measured and recorded; returns the exit code."""
     store, run_id = open_run(plan, options, context)
     model = build_model(
-        plan.model, CPHPAttention(plan.layout()), seed=options.seed, device=context.device
+        plan.model,
+        CPHPAttention(plan.layout()),
+        seed=options.seed,
+        device=context.device,
+        checkpointing=plan.train.activation_checkpointing,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.learning_rate)
     padding = ComputePadding(model, context.slowdown)

@@ -24,6 +24,7 @@ class ModelCase:
     layout: AttentionLayout
     batch: int
     seed: int
+    checkpointing: bool = False
 
 
 def zigzag(model: str, groups, segments, token_weights, head_counts) -> AttentionLayout:
@@ -42,6 +43,9 @@ CASES: dict[int, list[ModelCase]] = {
         ModelCase(
             "tiny-7h", zigzag("tiny-7h", [[0], [1]], [24, 14], [[1], [1]], [[7], [7]]), 1, 22
         ),
+        ModelCase(  # activation checkpointing: the recompute repeats the ring
+            "tiny-7h", zigzag("tiny-7h", [[1], [0]], [16, 22], [[1], [1]], [[7], [7]]), 2, 23, True
+        ),
     ],
     3: [
         ModelCase(
@@ -57,6 +61,7 @@ CASES: dict[int, list[ModelCase]] = {
             zigzag("tiny", [[3, 1], [0, 2]], [30, 18], [[3, 1], [1, 2]], [[1, 7], [6, 2]]),
             2,
             41,
+            checkpointing=True,
         ),
         ModelCase(
             "tiny-7h",
@@ -102,12 +107,17 @@ def sharded_step(case: ModelCase, rank: int) -> tuple[float, dict[str, torch.Ten
     from hexiseq.runtime.model import build_model, token_positions
 
     spec = ModelSpec.preset(case.model)
-    model = build_model(spec, CPHPAttention(case.layout), seed=case.seed)
+    attention = CPHPAttention(case.layout)
+    model = build_model(spec, attention, seed=case.seed, checkpointing=case.checkpointing)
+    calls = []
+    attention.register_forward_hook(lambda *_: calls.append(1))
     tokens = case_tokens(case)
     positions = token_positions(case.layout, rank)
     logits = model(tokens[:, positions], positions)
     loss = sharded_next_token_loss(logits, next_token_labels(tokens, positions))
     loss.local_share.backward()
+    # Checkpointing runs every layer's attention again in the backward pass.
+    assert len(calls) == spec.layers * (2 if case.checkpointing else 1)
     all_reduce_gradients(list(model.parameters()))
     assert loss.labelled_tokens == case.batch * (case.layout.seq_len - 1)
     return loss.global_loss.item(), {name: p.grad for name, p in model.named_parameters()}
