@@ -13,6 +13,7 @@ sharded by an `AttentionLayout`; gloo (CPU) and NCCL (GPU). Modules:
 - `_p2p`          batched isend/irecv of K/V head runs
 - `model`         Llama-style decoder over the sharded sequence (RoPE at global positions)
 - `loss`          mean next-token loss over all ranks' tokens; gradient all-reduce (sum)
+- `sharding`      FSDP2 model states over the whole domain (what the memory model counts)
 - `train`         the torchrun train loop of a plan, measured into the store
 - `_emulation`    emulated slower devices: compute phases padded by sleeping
 
@@ -44,14 +45,9 @@ Backward
    the pieces of a boundary K/V head from its owners (in fp32). Only the keeper's piece holds
    the other groups' contributions, the other owners' pieces hold their own group's.
 
-Differences from the simulator's model (`costmodel._traffic`, `costmodel._ring`):
-- dK/dV hops: the model makes G hops (one after every step, including step 0, plus the return)
-  and routes dK/dV like K/V (every holder of a boundary head receives it: `kv_heads_in`;
-  senders send `heads_out`). The runtime makes G-1 hops and sends each K/V head once per hop,
-  keeper to keeper: fewer bytes on the ring links.
-- Folds (backward 3a) are intra-group fp32 traffic the model does not count.
-- The model counts all-to-all and K/V bytes at 2 bytes per element (BF16); the runtime moves
-  the compute dtype (4 bytes in fp32 runs).
+The simulator's traffic model (`costmodel._traffic`, summed per step by
+`costmodel.traffic.step_traffic_bytes`) counts exactly these bytes, rank by rank:
+`benchmarks/runtime.py` measures both.
 
 This package may import the core and torch only, never search, costmodel or dashboard.
 """

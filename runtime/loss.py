@@ -6,8 +6,9 @@ so the ranks' shares add up to the true mean whatever the shard sizes. (A mean o
 means would weight the tokens of a small shard more than those of a large one.) The label of
 the token at global position p is the token at p + 1; the last position has none.
 
-Parameters are replicated on every rank and each rank back-propagates only its own share, so
-the full gradient is the SUM of the ranks' gradients (`all_reduce_gradients`).
+Each rank back-propagates only its own share, so the full gradient is the SUM of the ranks'
+gradients: `all_reduce_gradients` for replicated parameters, FSDP2's reduce-scatter for
+sharded ones (`sharding`).
 """
 
 from __future__ import annotations

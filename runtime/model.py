@@ -1,8 +1,9 @@
 """A Llama-style decoder for a `ModelSpec` whose attention runs on a sequence-sharded input.
 
 RMSNorm, rotary position embedding (RoPE) at each token's *global* position, grouped-query
-attention, SwiGLU MLP, tied or untied LM head (DESIGN §8). Every rank holds every parameter
-(replicated, initialized identically from a seed) and a slice of the tokens: the ranges the
+attention, SwiGLU MLP, tied or untied LM head (DESIGN §8). Every rank builds every parameter
+(initialized identically from a seed; `sharding` then splits the states) and a slice of the
+tokens: the ranges the
 `AttentionLayout` gives it, concatenated in order. Everything but attention is per token, so
 only the attention module needs the other ranks: `CPHPAttention(layout)` in a process group,
 or `LocalAttention()` (plain causal attention on one process holding the whole sequence in

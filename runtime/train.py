@@ -19,6 +19,8 @@ What is measured (per rank, per step):
   "cuda_max_allocated". CPU: the process's peak resident set size since it started
   (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, KiB on Linux), which includes Python, torch
   and gloo: memory_measure "cpu_max_rss"; it never decreases from step to step.
+- Model states: FSDP2-sharded over all ranks by default (`sharding`; `--state-sharding
+  replicated` keeps them whole on every rank and all-reduces the gradients).
 - Emulated slowdown k of the rank's device (cluster `emulation_slowdown`): the rank sleeps
   (k - 1) x each compute phase (`_emulation`); rows are labelled as emulation.
 """
@@ -44,6 +46,12 @@ from hexiseq.runtime._emulation import ComputePadding
 from hexiseq.runtime.attention import CPHPAttention
 from hexiseq.runtime.loss import all_reduce_gradients, next_token_labels, sharded_next_token_loss
 from hexiseq.runtime.model import LlamaModel, build_model, token_positions
+from hexiseq.runtime.sharding import (
+    STATE_SHARDING,
+    gradient_scale,
+    shard_model_states,
+    uneven_state_note,
+)
 from hexiseq.store import DEFAULT_STORE_URL, RuntimeMeasurement, Store
 
 EXIT_BAD_INPUT = 2
@@ -58,6 +66,7 @@ class TrainOptions:
     learning_rate: float
     device: str  # "auto", "cpu" or "cuda"
     dtype: str  # "auto", "float32" or "bfloat16"
+    state_sharding: str = "fsdp2"  # or "replicated" (gradient all-reduce)
 
 
 @dataclass
@@ -96,6 +105,13 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         help="compute dtype: bfloat16 autocast (parameters and AdamW fp32); auto = bfloat16 "
         "on CUDA, float32 on CPU",
     )
+    parser.add_argument(
+        "--state-sharding",
+        choices=STATE_SHARDING,
+        default="fsdp2",
+        help="fsdp2: parameters, gradients and AdamW states sharded over the ranks (what the "
+        "memory model counts); replicated: every rank holds all, gradients all-reduced",
+    )
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1 (got {args.steps})")
@@ -107,6 +123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         learning_rate=args.lr,
         device=args.device,
         dtype=args.dtype,
+        state_sharding=args.state_sharding,
     )
 
 
@@ -172,12 +189,18 @@ def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
         device=context.device,
         checkpointing=plan.train.activation_checkpointing,
     )
+    sharded = options.state_sharding == "fsdp2" and context.world_size > 1
+    if sharded:
+        shard_model_states(model)
+        note = uneven_state_note([a.state_fraction for a in plan.assignments])
+        if note and context.rank == 0:
+            print(f"hexiseq.runtime.train: note: {note}", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=options.learning_rate)
     padding = ComputePadding(model, context.slowdown)
     positions = token_positions(plan.layout(), context.rank).to(context.device)
     for step in range(options.steps):
         measurement = measure_step(
-            plan, options, context, model, optimizer, padding, positions, step
+            plan, options, context, model, optimizer, padding, positions, step, sharded
         )
         rows = [None] * context.world_size
         dist.all_gather_object(rows, measurement)
@@ -244,6 +267,7 @@ def measure_step(
     padding: ComputePadding,
     positions: torch.Tensor,
     step: int,
+    sharded: bool,
 ) -> RuntimeMeasurement:
     """Run one training step between two barriers and measure it (see the module docstring)."""
     tokens = step_tokens(plan, options.seed, step).to(context.device)
@@ -256,7 +280,7 @@ def measure_step(
         torch.cuda.synchronize(context.device)
         events[0].record()
     began = time.perf_counter()
-    loss = run_step(plan, context, model, optimizer, padding, tokens, positions)
+    loss = run_step(plan, context, model, optimizer, padding, tokens, positions, sharded)
     own_end = time.perf_counter()
     if cuda:
         events[1].record()
@@ -293,10 +317,14 @@ def run_step(
     padding: ComputePadding,
     tokens_MS: torch.Tensor,
     positions: torch.Tensor,
+    sharded: bool,
 ) -> float:
-    """Forward and backward of each micro-batch (gradient accumulation), gradient all-reduce,
-    AdamW. Returns the step's loss: the mean over its micro-batches of each sequence's mean."""
+    """Forward and backward of each micro-batch (gradient accumulation), the gradient
+    reduction (FSDP2's reduce-scatter in the backward, or an all-reduce of replicated
+    gradients), AdamW. Returns the step's loss: the mean over its micro-batches of each
+    sequence's mean."""
     micro_batches = tokens_MS.shape[0]
+    scale = gradient_scale("fsdp2" if sharded else "replicated")
     losses = []
     for index in range(micro_batches):
         tokens_BS = tokens_MS[index : index + 1]
@@ -307,10 +335,11 @@ def run_step(
         ):
             logits = model(tokens_BS[:, positions], positions)
         loss = sharded_next_token_loss(logits, next_token_labels(tokens_BS, positions))
-        (loss.local_share / micro_batches).backward()
+        (loss.local_share * scale / micro_batches).backward()
         losses.append(loss.global_loss.item())
     padding.flush()
-    all_reduce_gradients(list(model.parameters()))
+    if not sharded:
+        all_reduce_gradients(list(model.parameters()))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return statistics.fmean(losses)

@@ -25,6 +25,7 @@ class ModelCase:
     batch: int
     seed: int
     checkpointing: bool = False
+    sharded: bool = False  # FSDP2 model states (runtime.sharding) instead of replicated
 
 
 def zigzag(model: str, groups, segments, token_weights, head_counts) -> AttentionLayout:
@@ -54,6 +55,13 @@ CASES: dict[int, list[ModelCase]] = {
         ModelCase(
             "tiny-7h", zigzag("tiny-7h", [[0, 1, 2]], [42], [[1, 2, 4]], [[2, 4, 1]]), 1, 32
         ),
+        ModelCase(  # FSDP2-sharded states
+            "tiny",
+            zigzag("tiny", [[1], [2, 0]], [20, 20], [[1], [3, 1]], [[8], [2, 6]]),
+            1,
+            33,
+            sharded=True,
+        ),
     ],
     4: [
         ModelCase(
@@ -62,6 +70,7 @@ CASES: dict[int, list[ModelCase]] = {
             2,
             41,
             checkpointing=True,
+            sharded=True,
         ),
         ModelCase(
             "tiny-7h",
@@ -105,22 +114,28 @@ def sharded_step(case: ModelCase, rank: int) -> tuple[float, dict[str, torch.Ten
         sharded_next_token_loss,
     )
     from hexiseq.runtime.model import build_model, token_positions
+    from hexiseq.runtime.sharding import full_gradients, gradient_scale, shard_model_states
 
     spec = ModelSpec.preset(case.model)
     attention = CPHPAttention(case.layout)
     model = build_model(spec, attention, seed=case.seed, checkpointing=case.checkpointing)
+    if case.sharded:
+        shard_model_states(model)
+        local = sum(p.to_local().numel() for p in model.parameters())
+        assert local < sum(p.numel() for p in model.parameters())  # each rank holds a shard
     calls = []
     attention.register_forward_hook(lambda *_: calls.append(1))
     tokens = case_tokens(case)
     positions = token_positions(case.layout, rank)
     logits = model(tokens[:, positions], positions)
     loss = sharded_next_token_loss(logits, next_token_labels(tokens, positions))
-    loss.local_share.backward()
+    (loss.local_share * gradient_scale("fsdp2" if case.sharded else "replicated")).backward()
     # Checkpointing runs every layer's attention again in the backward pass.
     assert len(calls) == spec.layers * (2 if case.checkpointing else 1)
-    all_reduce_gradients(list(model.parameters()))
+    if not case.sharded:
+        all_reduce_gradients(list(model.parameters()))
     assert loss.labelled_tokens == case.batch * (case.layout.seq_len - 1)
-    return loss.global_loss.item(), {name: p.grad for name, p in model.named_parameters()}
+    return loss.global_loss.item(), full_gradients(model)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
