@@ -1,12 +1,18 @@
 """Cost models, the memory model and the step simulator (pure: no torch).
 
 `DatasheetCostModel` is the embedded default until a device type is profiled; every prediction
-it makes is labelled "datasheet estimate". `estimate_memory` is the closed-form per-rank memory
-model (DESIGN.md §6) and `simulate_step` the event-level step simulator (DESIGN.md §7).
+it makes is labelled "datasheet estimate". `fit_cost_model` fits profile measurements into a
+`FittedDocument`, and `FittedCostModel` predicts from it for the profiled types (datasheet
+elsewhere). `estimate_memory` is the closed-form per-rank memory model (DESIGN.md §6) and
+`simulate_step` the event-level step simulator (DESIGN.md §7).
 """
 
+from hexiseq.costmodel._fit_document import FittedDocument
+from hexiseq.costmodel._heldout_table import format_heldout_table
 from hexiseq.costmodel.base import CostModel
 from hexiseq.costmodel.datasheet import DATASHEET_LABEL, DatasheetCostModel
+from hexiseq.costmodel.fit import ProfileSource, fit_cost_model
+from hexiseq.costmodel.fitted import FittedCostModel
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, memory_limit_bytes
 from hexiseq.costmodel.simulator import RankTime, StepPrediction, simulate_step
 
@@ -14,10 +20,15 @@ __all__ = [
     "DATASHEET_LABEL",
     "CostModel",
     "DatasheetCostModel",
+    "FittedCostModel",
+    "FittedDocument",
     "MemoryBreakdown",
+    "ProfileSource",
     "RankTime",
     "StepPrediction",
     "estimate_memory",
+    "fit_cost_model",
+    "format_heldout_table",
     "memory_limit_bytes",
     "simulate_step",
 ]

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hexiseq.catalog import gpu_spec
 from hexiseq.cluster import Cluster
+from hexiseq.costmodel._compat import with_full_protocol
 from hexiseq.costmodel.base import CostModel
+from hexiseq.costmodel.datasheet import declared_link_parameters
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 
@@ -58,11 +59,14 @@ class SimContext:
 def make_context(
     cluster: Cluster, model: ModelSpec, train: TrainSpec, layout: AttentionLayout, cost: CostModel
 ) -> SimContext:
-    """Gather the per-rank facts of `layout` on `cluster` once (O(N), no rank-by-rank lookups)."""
+    """Gather the per-rank facts of `layout` on `cluster` once (O(N), no rank-by-rank lookups).
+
+    The link matrices come from `cost.link_parameters` (a fitted model's measured links)."""
     devices = cluster.devices
     gpus = [d.gpu for d in devices]
     node_index = {node.name: i for i, node in enumerate(cluster.nodes)}
-    bandwidth_GBps, latency_s = link_matrices(cluster)
+    cost = with_full_protocol(cost)
+    bandwidth_GBps, latency_s = cost.link_parameters(cluster)
     return SimContext(
         cluster=cluster,
         model=model,
@@ -103,18 +107,9 @@ def _layout_arrays(layout: AttentionLayout) -> dict[str, np.ndarray]:
 
 
 def link_matrices(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
-    """[node, node] bandwidth (GB/s) and latency (s), as `Cluster.link_GBps` / `link_latency_s`
-    give them, built in one pass instead of one name lookup per pair."""
-    count = len(cluster.nodes)
-    index = {node.name: i for i, node in enumerate(cluster.nodes)}
-    bandwidth = np.full((count, count), float(cluster.inter_node_GBps))
-    latency = np.full((count, count), cluster.inter_node_latency_us * 1e-6)
-    for a, b, gbps in reversed(cluster.overrides):  # reversed: the first matching one wins
-        bandwidth[index[a], index[b]] = bandwidth[index[b], index[a]] = gbps
-    for i, node in enumerate(cluster.nodes):
-        bandwidth[i, i] = node.intra_node_GBps
-        latency[i, i] = gpu_spec(node.gpu).intra_node_latency_us * 1e-6
-    return bandwidth, latency
+    """[node, node] declared bandwidth (GB/s) and latency (s) of `cluster`'s links (kept for
+    callers of the old name; cost models give theirs through `CostModel.link_parameters`)."""
+    return declared_link_parameters(cluster)
 
 
 def _ranks_by_gpu(gpus: list[str]) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hexiseq.catalog import gpu_spec
+from hexiseq.cluster import Cluster
 from hexiseq.costmodel.base import FloatOrArray
 
 DATASHEET_LABEL = "datasheet estimate"
@@ -33,12 +34,29 @@ class DatasheetCostModel:
     def label(self, gpu: str) -> str:
         return "measured CPU peak" if gpu_spec(gpu).measured else DATASHEET_LABEL
 
-    def gemm_time_s(self, gpu: str, flops: FloatOrArray) -> FloatOrArray:
+    def gemm_time_s(
+        self,
+        gpu: str,
+        flops: FloatOrArray,
+        *,
+        bytes_moved: FloatOrArray | None = None,
+        calls: FloatOrArray = 1,
+    ) -> FloatOrArray:
+        # Peak x efficiency of large GEMMs: operand bytes and launch counts are not modelled.
         spec = gpu_spec(gpu)
         return flops / (spec.peak_flops * spec.gemm_efficiency)
 
     def attention_time_s(
-        self, gpu: str, pairs: FloatOrArray, heads: FloatOrArray, head_dim: int, *, backward: bool
+        self,
+        gpu: str,
+        pairs: FloatOrArray,
+        heads: FloatOrArray,
+        head_dim: int,
+        *,
+        backward: bool,
+        q_tokens: FloatOrArray | None = None,
+        kv_tokens: FloatOrArray | None = None,
+        calls: FloatOrArray = 1,
     ) -> FloatOrArray:
         spec = gpu_spec(gpu)
         # Forward: 4·D FLOPs per pair and head; FlashAttention's backward: 2.5x (see flops.py).
@@ -46,7 +64,9 @@ class DatasheetCostModel:
         efficiency = spec.attention_bwd_efficiency if backward else spec.attention_fwd_efficiency
         return flops / (spec.peak_flops * efficiency)
 
-    def memory_bound_time_s(self, gpu: str, bytes_moved: FloatOrArray) -> FloatOrArray:
+    def memory_bound_time_s(
+        self, gpu: str, bytes_moved: FloatOrArray, *, calls: FloatOrArray = 1
+    ) -> FloatOrArray:
         return bytes_moved / (gpu_spec(gpu).hbm_GBps * 1e9)
 
     def transfer_time_s(
@@ -58,3 +78,24 @@ class DatasheetCostModel:
             0.0,  # nothing to send: no message, no latency
         )
         return float(seconds) if seconds.ndim == 0 else seconds
+
+    def link_parameters(self, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+        """The cluster's declared links (see `declared_link_parameters`); the link efficiency
+        is applied in `transfer_time_s`, not here."""
+        return declared_link_parameters(cluster)
+
+
+def declared_link_parameters(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+    """[node, node] bandwidth (GB/s) and latency (s), as `Cluster.link_GBps` / `link_latency_s`
+    give them (nominal: catalog intra-node links, the cluster file's network), built in one
+    pass instead of one name lookup per pair."""
+    count = len(cluster.nodes)
+    index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    bandwidth = np.full((count, count), float(cluster.inter_node_GBps))
+    latency = np.full((count, count), cluster.inter_node_latency_us * 1e-6)
+    for a, b, gbps in reversed(cluster.overrides):  # reversed: the first matching one wins
+        bandwidth[index[a], index[b]] = bandwidth[index[b], index[a]] = gbps
+    for i, node in enumerate(cluster.nodes):
+        bandwidth[i, i] = node.intra_node_GBps
+        latency[i, i] = gpu_spec(node.gpu).intra_node_latency_us * 1e-6
+    return bandwidth, latency

@@ -181,6 +181,17 @@ def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
     tokens = context.tokens.astype(np.float64)
     qkv_flops = 2.0 * model.hidden * model.head_dim * (model.heads + 2 * model.kv_heads)
     after_flops = 2.0 * model.hidden * (model.heads * model.head_dim + 3 * model.ffn_hidden)
+    # The GEMMs as (k, n) of [tokens, k] @ [k, n], as runtime/model.py runs them: q, k and v
+    # projections; output projection, SwiGLU gate, up and down.
+    hidden = model.hidden
+    q_width, kv_width = model.heads * model.head_dim, model.kv_heads * model.head_dim
+    qkv_gemms = ((hidden, q_width), (hidden, kv_width), (hidden, kv_width))
+    after_gemms = (
+        (q_width, hidden),
+        (hidden, model.ffn_hidden),
+        (hidden, model.ffn_hidden),
+        (model.ffn_hidden, hidden),
+    )
     # Bytes read + written by the bandwidth-bound kernels, per token (BF16): RMSNorm (2x hidden
     # in and out), RoPE on q and k, residual add, second RMSNorm, SwiGLU (gate, up in; out).
     qkv_bytes = BF16 * (2 * model.hidden + 2 * (model.heads + model.kv_heads) * model.head_dim)
@@ -188,15 +199,25 @@ def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
 
     def pre(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
         n = tokens[ranks]
-        return cost.gemm_time_s(gpu, qkv_flops * n) + cost.memory_bound_time_s(gpu, qkv_bytes * n)
+        gemm_bytes = _gemm_operand_bytes(n, qkv_gemms)
+        return cost.gemm_time_s(
+            gpu, qkv_flops * n, bytes_moved=gemm_bytes, calls=len(qkv_gemms)
+        ) + cost.memory_bound_time_s(gpu, qkv_bytes * n, calls=3)  # norm, RoPE q, RoPE k
 
     def post(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
         n = tokens[ranks]
-        return cost.gemm_time_s(gpu, after_flops * n) + cost.memory_bound_time_s(
-            gpu, after_bytes * n
-        )
+        gemm_bytes = _gemm_operand_bytes(n, after_gemms)
+        return cost.gemm_time_s(
+            gpu, after_flops * n, bytes_moved=gemm_bytes, calls=len(after_gemms)
+        ) + cost.memory_bound_time_s(gpu, after_bytes * n, calls=3)  # residual, norm, SwiGLU
 
     return per_gpu_type(context, pre), per_gpu_type(context, post)
+
+
+def _gemm_operand_bytes(tokens: np.ndarray, shapes: Sequence[tuple[int, int]]) -> np.ndarray:
+    """BF16 bytes read and written by the GEMMs [tokens, k] @ [k, n], one per (k, n) of
+    `shapes`: (m·k + k·n + m·n) elements each, m = tokens."""
+    return BF16 * sum(tokens * k + k * n + tokens * n for k, n in shapes)
 
 
 def _add_sharding_exposure(
@@ -238,9 +259,11 @@ def _head_and_loss(context: SimContext) -> Ledger:
     def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
         tokens = context.tokens[ranks]
         logits_bytes = 3 * tokens * model.vocab * FP32
-        return 3.0 * cost.gemm_time_s(gpu, flops * tokens) + cost.memory_bound_time_s(
-            gpu, logits_bytes
-        )
+        # Forward, input gradient and weight gradient: three GEMMs of the same size and bytes.
+        gemm_bytes = _gemm_operand_bytes(tokens, ((model.hidden, model.vocab),))
+        return 3.0 * cost.gemm_time_s(
+            gpu, flops * tokens, bytes_moved=gemm_bytes, calls=1
+        ) + cost.memory_bound_time_s(gpu, logits_bytes, calls=3)  # logits written, read twice
 
     ledger = Ledger(context.layout.world_size)
     ledger.add("linear_s", per_gpu_type(context, seconds_of))

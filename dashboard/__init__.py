@@ -1,6 +1,7 @@
-"""Streamlit + plotly dashboard.
+"""The Streamlit dashboard (DESIGN.md §10), started by `hexiseq dashboard`.
 
-Will hold (issue: dashboard): pure view builders (DataFrames, plotly figures) and thin page
-modules for the cluster, plan, memory headroom, throughput, profiles and what-if pages
-(DESIGN.md §10). Nothing imports this package.
+`views/`: pure builders (plans, records and DataFrames in; plotly figures and DataFrames out),
+tested directly. `app.py` + `pages/`: thin Streamlit pages that lay the views out; `_session`
+holds what the pages share (store, selected plan, what-if result). `screenshots.py` drives the
+live app with headless Chromium. Nothing imports this package; it never imports the runtime.
 """

@@ -9,6 +9,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from hexiseq._cli_dashboard import add_dashboard_parser, run_dashboard
+from hexiseq._cli_fit import add_cost_model_argument, add_fit_parser, plan_cost_model, run_fit
+from hexiseq._cli_profile import add_profile_parser, run_profile
 from hexiseq.cluster import cluster_presets
 from hexiseq.errors import HexiseqError
 from hexiseq.model import model_presets
@@ -96,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--no-checkpointing", action="store_true", help="same as --checkpointing off"
     )
+    add_cost_model_argument(plan)
     _add_run_parser(commands)
+    add_fit_parser(commands)
+    add_dashboard_parser(commands)
+    add_profile_parser(commands)
     return parser
 
 
@@ -122,6 +129,13 @@ def _add_run_parser(commands) -> None:
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="auto: CUDA (NCCL) when available, else CPU (gloo)",
+    )
+    run.add_argument(
+        "--state-sharding",
+        choices=("fsdp2", "replicated"),
+        default="fsdp2",
+        help="fsdp2 (default): parameters, gradients and AdamW states sharded over the ranks, "
+        "as the memory model counts them; replicated: all on every rank, gradients all-reduced",
     )
 
 
@@ -153,6 +167,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args)
         if args.command == "run":
             return _run(args)
+        if args.command == "dashboard":
+            return run_dashboard(args)
+        if args.command == "fit":
+            return run_fit(args)
+        if args.command == "profile":
+            return run_profile(args)
     except HexiseqError as exc:
         print(f"hexiseq: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -170,6 +190,7 @@ def _plan(args: argparse.Namespace) -> int:
     cluster, model = Cluster.load(args.cluster), ModelSpec.preset(args.model)
     seq_len = parse_seq_len(args.seq_len)
     store = _open_store(args)
+    cost_model = plan_cost_model(args, store)  # None: the datasheet default
     result = plan_search(
         cluster,
         model,
@@ -182,8 +203,12 @@ def _plan(args: argparse.Namespace) -> int:
         multi_objective=args.pareto,
         activation_checkpointing=_checkpointing(args),
         show_progress=_wants_progress(args),
+        cost_model=cost_model,
     )
     print(format_search_result(result))
+    if cost_model is not None:
+        labels = result.best.predicted.cost_model.items()
+        print("\ncost model per device type: " + "; ".join(f"{g}: {m}" for g, m in labels))
     if args.out:
         _write_plan(result.best, args.out)
         print(f"\nplan written to {args.out}")
@@ -213,6 +238,7 @@ def _run(args: argparse.Namespace) -> int:
         f"--steps={args.steps}",
         f"--seed={args.seed}",
         f"--device={args.device}",
+        f"--state-sharding={args.state_sharding}",
         *(["--no-store"] if args.no_store else [f"--store={args.store}"]),
     ]
     return subprocess.run(command, check=False).returncode

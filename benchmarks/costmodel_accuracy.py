@@ -1,0 +1,201 @@
+"""Held-out accuracy of the fitted cost model on the profiles in a store (DESIGN.md §6).
+
+Fits every ok profile measurement of the store exactly as `hexiseq fit` does (nothing is
+saved), then reports per device type x op family: points, the extrapolation split (fit on
+the smallest two thirds by FLOPs or bytes, predict the largest third), its mean and max
+relative error, the leave-one-device-type-out error, and the spread of the measurements
+themselves (median over points of (p90 - p10) / median), which bounds what any model of the
+median can reach. Goals: extrapolation MAPE <= 5 % for compute ops, <= 10 % for links.
+
+Run: `.venv/bin/python benchmarks/costmodel_accuracy.py --store sqlite:///hexiseq.db` after
+`hexiseq profile --device cpu --quick` (and `hexiseq profile links`); prints the table and
+updates the "Cost-model accuracy" section of benchmarks/RESULTS.md (`--no-write`: print only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import statistics
+import sys
+
+from _results import replace_section
+
+from hexiseq._cli_fit import read_profile_sources
+from hexiseq.costmodel import FittedDocument, ProfileSource, fit_cost_model, format_heldout_table
+from hexiseq.costmodel._heldout_table import COMPUTE_GOAL_MAPE, LINK_GOAL_MAPE
+from hexiseq.errors import HexiseqError
+from hexiseq.store import DEFAULT_STORE_URL, Store
+
+SECTION = "costmodel_accuracy"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--store", default=DEFAULT_STORE_URL, metavar="URL")
+    parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    args = parser.parse_args(argv)
+    try:
+        with Store.open(args.store) as store:
+            sources = read_profile_sources(store)
+    except HexiseqError as error:
+        print(f"costmodel_accuracy: {error}", file=sys.stderr)
+        return 2
+    document = fit_cost_model(sources)
+    spreads = timing_spreads(sources)
+    print(format_heldout_table(document))
+    rows = markdown_rows(document, spreads)
+    print("\n" + reading(document, spreads))
+    if not args.no_write:
+        replace_section(SECTION, section(document, sources, rows, spreads, argv, args.store))
+    return 0
+
+
+def timing_spreads(sources: list[ProfileSource]) -> dict[tuple, float]:
+    """Median (p90 - p10) / median per family, keyed like the fits."""
+    spreads: dict[tuple, list[float]] = {}
+    for source in sources:
+        for m in source.measurements:
+            if m.status == "ok" and m.median_s:
+                key = _key(m.device_type, m.op, m.dtype, m.emulation_slowdown, m.link_class)
+                spreads.setdefault(key, []).append((m.p90_s - m.p10_s) / m.median_s)
+    return {key: statistics.median(values) for key, values in spreads.items()}
+
+
+def _key(device_type, op, dtype, slowdown, link_class) -> tuple:
+    if link_class is not None:
+        return (link_class, op)
+    return (device_type, op, dtype, float(slowdown))
+
+
+def markdown_rows(document: FittedDocument, spreads: dict[tuple, float]) -> list[str]:
+    rows = []
+    for fit in document.ops:
+        spread = spreads.get(
+            _key(fit.device_type, fit.op, fit.dtype, fit.emulation_slowdown, None)
+        )
+        name = f"{fit.device_type} ({fit.dtype}, {fit.emulation_slowdown:g}x)"
+        rows.append(_row(name, fit.op, fit.points, fit.heldout, spread, COMPUTE_GOAL_MAPE))
+    for fit in document.links:
+        spread = spreads.get((fit.link_class, fit.op))
+        knee = f", knee at {fit.regimes[-1].from_bytes:,.0f} B" if len(fit.regimes) > 1 else ""
+        rows.append(_row(fit.link_class, fit.op + knee, fit.points, fit.heldout, spread,
+                         LINK_GOAL_MAPE))  # fmt: skip
+    return rows
+
+
+def _row(name, op, points, heldout, spread, goal) -> str:
+    mape = heldout.extrapolation_mape
+    met = "met" if mape is not None and mape <= goal else "**missed**"
+    if heldout.lodo:
+        worst = max(heldout.lodo, key=lambda e: e.mape)
+        lodo = f"{_pct(worst.mape)} (from {worst.reference})"
+    else:
+        lodo = heldout.lodo_note
+    cells = [name, op, str(points), f"{heldout.train_points}/{heldout.test_points}", _pct(mape),
+             _pct(heldout.extrapolation_max_error), _signed_pct(heldout.extrapolation_bias), lodo,
+             _pct(spread), f"≤ {100 * goal:g} %: {met}"]  # fmt: skip
+    return "| " + " | ".join(cells) + " |"
+
+
+def _pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f} %"
+
+
+def _signed_pct(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:+.1f} %"
+
+
+def reading(document: FittedDocument, spreads: dict[tuple, float]) -> str:
+    """Counts of goals met and how noisy the measurements themselves were."""
+    compute = [f for f in document.ops if f.emulation_slowdown == 1.0]
+    met = [f for f in compute if f.heldout.extrapolation_mape <= COMPUTE_GOAL_MAPE]
+    links_met = [f for f in document.links if f.heldout.extrapolation_mape <= LINK_GOAL_MAPE]
+    noisy = [key for key, spread in spreads.items() if spread > 2 * COMPUTE_GOAL_MAPE]
+    fits = [*compute, *document.links]
+    slower = [f for f in fits if f.heldout.extrapolation_bias < -COMPUTE_GOAL_MAPE]
+    text = (
+        f"{len(met)} of {len(compute)} compute fits (1x) meet the 5 % extrapolation goal; "
+        f"{len(links_met)} of {len(document.links)} link fits meet the 10 % goal."
+    )
+    if slower:
+        names = ", ".join(f"{getattr(f, 'link_class', f.device_type)} {f.op}" for f in slower)
+        text += (
+            f" In {len(slower)} of {len(fits)} fits ({names}) the largest third is "
+            "systematically slower than the fit on the smaller sizes predicts (bias below "
+            "-5 %): the cost per FLOP or per byte grows beyond the training sizes (on a CPU, "
+            "working sets that leave the caches), which no fit on smaller sizes can see."
+        )
+    if noisy:
+        text += (
+            f" In {len(noisy)} of {len(spreads)} families the measurements' own p10-p90 "
+            "spread exceeds 10 % of the median: the timing noise of those points, not the "
+            "model, then dominates the held-out error."
+        )
+    return text
+
+
+def _emulation_lines(document: FittedDocument) -> list[str]:
+    """The emulated fits' time ratio to the 1x fit (the emulation's own check)."""
+    lines = [
+        f"- emulation check, {f.device_type} {f.op} {f.emulation_slowdown:g}x: predicted time "
+        f"ratio to the 1x fit {f.emulation_check.time_ratio:.2f} (expected "
+        f"{f.emulation_check.expected_ratio:g})"
+        for f in document.ops
+        if f.emulation_check is not None
+    ]
+    return [*lines, ""] if lines else []
+
+
+def _describe_run(source: ProfileSource) -> str:
+    """ "3 (2026-11-22 05:52, grid quick, 1 thread(s), links, emulated 2x)"."""
+    extras = [m.extra for m in source.measurements]
+    parts = [(source.created_at or "?")[:16].replace("T", " ")]
+    grids = sorted({str(e.get("grid")) for e in extras if "grid" in e})
+    threads = sorted({str(e.get("threads")) for e in extras if "threads" in e})
+    parts += [f"grid {', '.join(grids)}"] if grids else []
+    parts += [f"{', '.join(threads)} thread(s)"] if threads else []
+    if any(m.link_class for m in source.measurements):
+        parts.append("links")
+    slowdowns = sorted({m.emulation_slowdown for m in source.measurements} - {1.0})
+    parts += [f"emulated {', '.join(f'{k:g}x' for k in slowdowns)}"] if slowdowns else []
+    return f"{source.run_id} ({', '.join(parts)})"
+
+
+def section(document, sources, rows, spreads, argv, store_url) -> str:
+    command = shlex.join([".venv/bin/python", "benchmarks/costmodel_accuracy.py", *(argv or [])])
+    machine = (
+        f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"
+    )
+    devices = sorted({m.device_name for s in sources for m in s.measurements})
+    runs = "; ".join(_describe_run(source) for source in sources)
+    headers = ["device (dtype, emulation)", "op", "points", "train/test", "extrap. MAPE",
+               "max err", "bias", "LODO MAPE", "p10-p90 spread", "goal"]  # fmt: skip
+    return "\n".join(
+        [
+            "## Cost-model accuracy: held-out error of the fitted model",
+            "",
+            "Extrapolation: fit on the smallest two thirds of each family's points by size "
+            "(FLOPs, or bytes for elementwise ops and links), predict the largest third. "
+            "LODO: a device type's points predicted from another profiled type's fit scaled "
+            "by datasheet ratios of peak x efficiency. Bias: mean signed error of the "
+            "extrapolation (negative: the largest sizes are slower than predicted). Spread: "
+            "median over the family's points of (p90 - p10) / median of the timing samples.",
+            "",
+            "| " + " | ".join(headers) + " |",
+            "|---|---|---:|---:|---:|---:|---:|---|---:|---|",
+            *rows,
+            "",
+            *_emulation_lines(document),
+            f"Profile runs {runs}, on {', '.join(devices)}; store `{store_url}`. "
+            f"Produced by `{command}` on {machine}.",
+            "",
+            "**Reading.** " + reading(document, spreads),
+        ]
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,167 @@
+"""The JSON document of a fitted cost model: every coefficient plus what it was fitted from.
+
+Validated by pydantic on the way in, so a corrupt or hand-edited document is refused with one
+line naming the field (`parse_fitted_document`). Times are seconds, bytes are bytes, errors
+are fractions (0.05 = 5 %). Never pickle (DESIGN.md §6).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hexiseq._yaml import format_validation_error
+from hexiseq.costmodel._features import OP_FEATURES
+from hexiseq.errors import InputError
+from hexiseq.profiles import COMPUTE_OPS, LINK_OPS
+
+DOCUMENT_FORMAT = "hexiseq.fitted_cost_model"
+DOCUMENT_SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class LodoError(_Strict):
+    """Leave-one-device-type-out: this fit's points predicted from `reference`'s fit scaled by
+    the datasheet ratio of achieved rates (peak x efficiency, or HBM bandwidth)."""
+
+    reference: str
+    mape: float = Field(ge=0)
+
+
+class HeldOut(_Strict):
+    """Held-out errors of one fit (DESIGN.md §6)."""
+
+    train_points: int = Field(ge=0)
+    """Extrapolation: the smallest two thirds of the points by size, fitted ..."""
+    test_points: int = Field(ge=0)
+    """... and the largest third, predicted."""
+    extrapolation_mape: float | None = Field(default=None, ge=0)
+    extrapolation_max_error: float | None = Field(default=None, ge=0)
+    extrapolation_bias: float | None = None
+    """Mean signed relative error (prediction − measured) / measured on the test points: near
+    −MAPE when the largest sizes are systematically slower than the small ones predict."""
+    lodo: tuple[LodoError, ...] = ()
+    lodo_note: str = ""
+    """Why there is no LODO figure, e.g. "n/a (one type profiled)"."""
+
+
+class EmulationCheck(_Strict):
+    """An emulated slow device's fit against the 1x fit of the same device, op and dtype:
+    both ratios should be close to the slowdown if the emulation pads compute faithfully."""
+
+    expected_ratio: float = Field(gt=0)
+    time_ratio: float = Field(ge=0)
+    """Median over this fit's points of its prediction / the 1x fit's prediction."""
+    coefficient_ratios: tuple[float | None, ...]
+    """Coefficient by coefficient (None where the 1x coefficient is 0)."""
+
+
+class OpFit(_Strict):
+    """time = Σ coefficient x feature for one (device type, op family, dtype, slowdown)."""
+
+    device_type: str = Field(min_length=1)
+    op: Literal[COMPUTE_OPS]  # type: ignore[valid-type]
+    dtype: str
+    emulation_slowdown: float = Field(ge=1.0)
+    features: tuple[str, ...]
+    coefficients: tuple[float, ...]
+    points: int = Field(ge=1)
+    fit_mape: float = Field(ge=0)
+    size_range: tuple[float, float]
+    """Smallest and largest size fitted (FLOPs, or bytes for elementwise)."""
+    source_runs: tuple[int, ...] = ()
+    heldout: HeldOut
+    emulation_check: EmulationCheck | None = None
+
+    @model_validator(mode="after")
+    def _features_match_op(self) -> OpFit:
+        expected = OP_FEATURES[self.op]
+        if self.features != expected:
+            raise ValueError(f"features of {self.op} must be {list(expected)}")
+        if len(self.coefficients) != len(expected) or min(self.coefficients) < 0:
+            raise ValueError(f"needs {len(expected)} coefficients, all >= 0")
+        return self
+
+
+class Regime(_Strict):
+    """One α–β line of a link model, used from `from_bytes` upwards."""
+
+    from_bytes: float = Field(ge=0)
+    latency_s: float = Field(ge=0)
+    seconds_per_byte: float = Field(ge=0)
+
+
+class LinkFit(_Strict):
+    """α + bytes/β per size regime for one (link class, op)."""
+
+    link_class: str = Field(min_length=1)
+    op: Literal[LINK_OPS]  # type: ignore[valid-type]
+    device_type: str
+    regimes: tuple[Regime, ...] = Field(min_length=1)
+    points: int = Field(ge=1)
+    fit_mape: float = Field(ge=0)
+    size_range: tuple[float, float]
+    source_runs: tuple[int, ...] = ()
+    heldout: HeldOut
+
+    @model_validator(mode="after")
+    def _regimes_in_order(self) -> LinkFit:
+        starts = [regime.from_bytes for regime in self.regimes]
+        if starts[0] != 0 or starts != sorted(set(starts)):
+            raise ValueError("regimes must start at from_bytes 0 and increase")
+        return self
+
+
+class SourceRun(_Strict):
+    """A profile run the fit read (run_id None: measurements given without a run)."""
+
+    run_id: int | None
+    created_at: str | None
+    rows: int = Field(ge=0)
+    ok_rows: int = Field(ge=0)
+
+
+class Skipped(_Strict):
+    """A family that was not fitted, and why (its device type falls back to the datasheet)."""
+
+    what: str
+    reason: str
+
+
+class FittedDocument(_Strict):
+    """The whole fit session: every fit, where the points came from, what was skipped."""
+
+    format: Literal["hexiseq.fitted_cost_model"] = DOCUMENT_FORMAT
+    schema_version: Literal[1] = DOCUMENT_SCHEMA_VERSION
+    created_at: str
+    versions: dict[str, str]
+    loss: str
+    sources: tuple[SourceRun, ...]
+    ops: tuple[OpFit, ...]
+    links: tuple[LinkFit, ...]
+    skipped: tuple[Skipped, ...] = ()
+
+
+def parse_fitted_document(text: str, source: str = "fitted model") -> FittedDocument:
+    """Read a fitted-model JSON document; InputError (one line) if it is not a valid one."""
+    try:
+        raw = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as error:
+        raise InputError(f"{source}: not valid JSON: {error}") from None
+    if not isinstance(raw, dict) or raw.get("format") != DOCUMENT_FORMAT:
+        raise InputError(f"{source}: not a hexiseq fitted cost model (format {DOCUMENT_FORMAT})")
+    try:
+        return FittedDocument.model_validate(raw)
+    except ValidationError as error:
+        raise InputError(format_validation_error(error, source)) from None
+
+
+def dump_fitted_document(document: FittedDocument) -> str:
+    """The document as JSON text (keys sorted, indented); `parse_fitted_document` reads it
+    back to an equal document."""
+    return json.dumps(document.model_dump(mode="json"), indent=2, sort_keys=True)

@@ -1,0 +1,98 @@
+"""The held-out error table of a fitted document, as `hexiseq fit` and the benchmark print it."""
+
+from __future__ import annotations
+
+from hexiseq.costmodel._fit_document import FittedDocument, HeldOut, LinkFit, OpFit
+from hexiseq.report import format_table
+
+COMPUTE_GOAL_MAPE = 0.05
+"""Goal for the extrapolation error of compute ops (DESIGN.md §6 issue 5): 5 %."""
+LINK_GOAL_MAPE = 0.10
+"""Goal for the extrapolation error of links: 10 %."""
+
+_HEADERS = [
+    "device / link",
+    "op",
+    "dtype",
+    "emul.",
+    "points",
+    "train/test",
+    "extrap. MAPE",
+    "max err",
+    "LODO MAPE",
+    "goal (extrap.)",
+]
+
+
+def format_heldout_table(document: FittedDocument) -> str:
+    """One row per fit: points, the extrapolation split, its mean and max relative error,
+    the leave-one-device-type-out error and whether the goal is met; then the emulation
+    checks and what was not fitted."""
+    rows = [_op_row(fit) for fit in document.ops] + [_link_row(fit) for fit in document.links]
+    if not rows:
+        return "no family had enough ok points to fit" + _skipped_lines(document)
+    table = format_table(_HEADERS, rows, right={3, 4, 5, 6, 7})
+    return table + _emulation_lines(document) + _skipped_lines(document)
+
+
+def _op_row(fit: OpFit) -> list[str]:
+    return [
+        fit.device_type,
+        fit.op,
+        fit.dtype,
+        f"{fit.emulation_slowdown:g}x",
+        *_error_cells(fit.points, fit.heldout, COMPUTE_GOAL_MAPE),
+    ]
+
+
+def _link_row(fit: LinkFit) -> list[str]:
+    knee = f", knee {fit.regimes[-1].from_bytes:,.0f} B" if len(fit.regimes) > 1 else ""
+    return [
+        fit.link_class,
+        fit.op + knee,
+        "-",
+        "-",
+        *_error_cells(fit.points, fit.heldout, LINK_GOAL_MAPE),
+    ]
+
+
+def _error_cells(points: int, heldout: HeldOut, goal: float) -> list[str]:
+    mape = heldout.extrapolation_mape
+    met = "met" if mape is not None and mape <= goal else "MISSED"
+    return [
+        str(points),
+        f"{heldout.train_points}/{heldout.test_points}",
+        _percent(mape),
+        _percent(heldout.extrapolation_max_error),
+        _lodo_cell(heldout),
+        f"≤ {100 * goal:g} %: {met}",
+    ]
+
+
+def _lodo_cell(heldout: HeldOut) -> str:
+    if not heldout.lodo:
+        return heldout.lodo_note or "-"
+    worst = max(heldout.lodo, key=lambda error: error.mape)
+    others = f", worst of {len(heldout.lodo)}" if len(heldout.lodo) > 1 else ""
+    return f"{_percent(worst.mape)} (from {worst.reference}{others})"
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f} %"
+
+
+def _emulation_lines(document: FittedDocument) -> str:
+    lines = [
+        f"  {f.device_type} {f.op} {f.dtype} {f.emulation_slowdown:g}x: time ratio to the 1x "
+        f"fit {f.emulation_check.time_ratio:.2f} (expected {f.emulation_check.expected_ratio:g})"
+        for f in document.ops
+        if f.emulation_check is not None
+    ]
+    return "\n\nemulation check (emulated fit / 1x fit):\n" + "\n".join(lines) if lines else ""
+
+
+def _skipped_lines(document: FittedDocument) -> str:
+    if not document.skipped:
+        return ""
+    lines = [f"  {s.what}: {s.reason}" for s in document.skipped]
+    return "\n\nnot fitted (datasheet model used instead):\n" + "\n".join(lines)

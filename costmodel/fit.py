@@ -1,0 +1,336 @@
+"""Fitting the cost model to profile measurements, with held-out errors (DESIGN.md §6).
+
+`fit_cost_model` turns the profiler's `ProfileMeasurement` rows into a `FittedDocument`:
+- per (device type, op family, dtype, emulation slowdown) an op-time regression that
+  extrapolates: time = a·FLOPs + b·bytes + c·calls, non-negative, relative-error loss
+  (`hexiseq.costmodel._regression`); the final coefficients use every point;
+- per (link class, op) α + bytes/β, one or two size regimes;
+- held-out errors of each: extrapolation (fit on the smallest two thirds by size, predict the
+  largest third: mean and max relative error) and, for compute, leave-one-device-type-out
+  (predict the type's points from another profiled type's fit scaled by datasheet ratios);
+- for emulated slow devices, the ratio of their fit to the 1x fit of the same device.
+Rows whose status is not `ok` are skipped; a family with fewer than `MIN_POINTS` points is
+not fitted (listed under `skipped`), and its device type falls back to the datasheet model.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import numpy as np
+
+from hexiseq.catalog import gpu_catalog
+from hexiseq.costmodel._features import OP_FEATURES, measurement_features, size_key
+from hexiseq.costmodel._fit_document import (
+    EmulationCheck,
+    FittedDocument,
+    HeldOut,
+    LinkFit,
+    LodoError,
+    OpFit,
+    Regime,
+    Skipped,
+    SourceRun,
+)
+from hexiseq.costmodel._regression import (
+    fit_link,
+    fit_relative_nnls,
+    predict_link,
+    relative_errors,
+)
+from hexiseq.profiles import COMPUTE_OPS, LINK_OPS, ProfileMeasurement
+
+MIN_POINTS = 6
+"""Fewest ok points a family needs: 3 coefficients, and 4 + 2 for the extrapolation split."""
+
+LOSS = (
+    "relative error: non-negative least squares on rows divided by the measured time "
+    "(sklearn LinearRegression(positive=True, fit_intercept=False)), = sample_weight 1/t^2"
+)
+
+
+@dataclass(frozen=True)
+class ProfileSource:
+    """The measurements of one profile run, with the run's id and start time (ISO 8601)."""
+
+    run_id: int | None
+    created_at: str | None
+    measurements: Sequence[ProfileMeasurement]
+
+
+@dataclass(frozen=True)
+class _Points:
+    """One family's ok points as arrays: features [point, feature], seconds and sizes."""
+
+    features: np.ndarray
+    seconds: np.ndarray
+    sizes: np.ndarray
+    runs: tuple[int, ...]
+    device_type: str
+
+
+def fit_cost_model(
+    sources: Sequence[ProfileSource] | Sequence[ProfileMeasurement],
+    *,
+    created_at: datetime | None = None,
+) -> FittedDocument:
+    """Fit every family the measurements hold; see the module docstring.
+
+    `sources`: profile runs, or bare measurements (one source without a run id).
+    Never raises for thin data: what cannot be fitted is listed in the document's `skipped`.
+    """
+    runs = _as_sources(sources)
+    rows = [(run.run_id, m) for run in runs for m in run.measurements if _is_ok(m)]
+    skipped: list[Skipped] = []
+    compute = _group(rows, lambda m: m.op in COMPUTE_OPS, _compute_key, skipped)
+    links = _group(rows, lambda m: m.op in LINK_OPS, _link_key, skipped)
+    ops = _with_lodo(_fit_compute_families(compute))
+    return FittedDocument(
+        created_at=(created_at or datetime.now(timezone.utc)).isoformat(),
+        versions=_versions(),
+        loss=LOSS,
+        sources=tuple(_describe_source(run) for run in runs),
+        ops=tuple(_with_emulation_checks(ops)),
+        links=tuple(_fit_link_families(links)),
+        skipped=tuple(skipped),
+    )
+
+
+def extrapolation_split(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the smallest two thirds (train) and the largest third (test, at least one
+    point) of `sizes`, by a stable sort: every test size >= every train size."""
+    order = np.argsort(sizes, kind="stable")
+    test_count = max(1, len(order) // 3)
+    return order[: len(order) - test_count], order[len(order) - test_count :]
+
+
+def _as_sources(sources) -> list[ProfileSource]:
+    items = list(sources)
+    if items and all(isinstance(item, ProfileMeasurement) for item in items):
+        return [ProfileSource(None, None, items)]
+    return items
+
+
+def _is_ok(m: ProfileMeasurement) -> bool:
+    return (
+        m.status == "ok" and m.median_s is not None and np.isfinite(m.median_s) and m.median_s > 0
+    )
+
+
+def _compute_key(m: ProfileMeasurement) -> tuple:
+    return (m.device_type, m.op, m.dtype, float(m.emulation_slowdown))
+
+
+def _link_key(m: ProfileMeasurement) -> tuple:
+    # Emulation pads compute only, so link points of every slowdown describe the same link.
+    return (m.link_class or f"intra:{m.device_type}", m.op)
+
+
+def _group(rows, accept, key_of, skipped: list[Skipped]) -> dict[tuple, _Points]:
+    """The accepted rows by family key, as arrays; families with too few points, or points
+    without the shape their features need, go to `skipped`."""
+    grouped: dict[tuple, list] = {}
+    for run_id, m in rows:
+        if accept(m):
+            grouped.setdefault(key_of(m), []).append((run_id, m))
+    points = {}
+    for key, members in grouped.items():
+        what = " ".join(_format_key_part(part) for part in key)
+        if len(members) < MIN_POINTS:
+            reason = f"{len(members)} ok points, a fit needs at least {MIN_POINTS}"
+            skipped.append(Skipped(what=what, reason=reason))
+            continue
+        try:
+            points[key] = _points(members)
+        except ValueError as error:
+            skipped.append(Skipped(what=what, reason=str(error)))
+    return points
+
+
+def _format_key_part(part) -> str:
+    return f"{part:g}x" if isinstance(part, float) else str(part)
+
+
+def _points(members: list) -> _Points:
+    measurements = [m for _, m in members]
+    if measurements[0].op in COMPUTE_OPS:
+        features = np.array([measurement_features(m) for m in measurements], dtype=np.float64)
+        sizes = np.array([size_key(m.op, m) for m in measurements], dtype=np.float64)
+    else:
+        sizes = np.array([m.bytes_moved for m in measurements], dtype=np.float64)
+        features = sizes[:, None]
+    seconds = np.array([m.median_s for m in measurements], dtype=np.float64)
+    runs = tuple(sorted({run_id for run_id, _ in members if run_id is not None}))
+    return _Points(features, seconds, sizes, runs, measurements[0].device_type)
+
+
+def _fit_compute_families(families: dict[tuple, _Points]) -> list[tuple[OpFit, _Points]]:
+    fits = []
+    for (device_type, op, dtype, slowdown), points in families.items():
+        coefficients = fit_relative_nnls(points.features, points.seconds)
+        train, test = extrapolation_split(points.sizes)
+        train_coefficients = fit_relative_nnls(points.features[train], points.seconds[train])
+        predicted = points.features[test] @ train_coefficients
+        fit = OpFit(
+            device_type=device_type,
+            op=op,
+            dtype=dtype,
+            emulation_slowdown=slowdown,
+            features=OP_FEATURES[op],
+            coefficients=tuple(float(c) for c in coefficients),
+            points=len(points.seconds),
+            fit_mape=_mape(points.features @ coefficients, points.seconds),
+            size_range=(float(points.sizes.min()), float(points.sizes.max())),
+            source_runs=points.runs,
+            heldout=_heldout(train, test, predicted, points.seconds[test]),
+        )
+        fits.append((fit, points))
+    return fits
+
+
+def _heldout(
+    train: np.ndarray, test: np.ndarray, predicted: np.ndarray, seconds: np.ndarray
+) -> HeldOut:
+    errors = relative_errors(predicted, seconds)
+    return HeldOut(
+        train_points=len(train),
+        test_points=len(test),
+        extrapolation_mape=float(np.mean(errors)),
+        extrapolation_max_error=float(np.max(errors)),
+        extrapolation_bias=float(np.mean((predicted - seconds) / seconds)),
+    )
+
+
+def _mape(predicted: np.ndarray, seconds: np.ndarray) -> float:
+    return float(np.mean(relative_errors(predicted, seconds)))
+
+
+def _with_lodo(fits: list[tuple[OpFit, _Points]]) -> list[tuple[OpFit, _Points]]:
+    """Each 1x fit with its leave-one-device-type-out errors from every other profiled type."""
+    real = [(fit, points) for fit, points in fits if fit.emulation_slowdown == 1.0]
+    types = {fit.device_type for fit, _ in real}
+    result = []
+    for fit, points in fits:
+        if fit.emulation_slowdown != 1.0:
+            note = "n/a (emulated: see the emulation check)"
+            result.append((_with_heldout(fit, lodo_note=note), points))
+            continue
+        references = [r for r, _ in real if r.op == fit.op and r.device_type != fit.device_type]
+        lodo, note = _lodo_errors(fit, points, references, len(types))
+        result.append((_with_heldout(fit, lodo=lodo, lodo_note=note), points))
+    return result
+
+
+def _lodo_errors(
+    fit: OpFit, points: _Points, references: list[OpFit], type_count: int
+) -> tuple[tuple[LodoError, ...], str]:
+    if type_count < 2:
+        return (), "n/a (one type profiled)"
+    if not references:
+        return (), f"n/a (no other type has {fit.op} fitted)"
+    catalog = gpu_catalog()
+    if fit.device_type not in catalog:
+        return (), f"n/a ({fit.device_type} has no datasheet entry)"
+    errors = []
+    for reference in references:
+        if reference.device_type not in catalog:
+            continue
+        ratio = achieved_rate(reference.device_type, fit.op) / achieved_rate(
+            fit.device_type, fit.op
+        )
+        predicted = points.features @ np.array(reference.coefficients) * ratio
+        errors.append(
+            LodoError(reference=reference.device_type, mape=_mape(predicted, points.seconds))
+        )
+    note = "" if errors else "n/a (no other profiled type has a datasheet entry)"
+    return tuple(errors), note
+
+
+def achieved_rate(device_type: str, op: str) -> float:
+    """The datasheet rate of `op` on `device_type`: FLOP/s (peak x published efficiency) for
+    matmul and attention, bytes/s (HBM bandwidth) for elementwise. Ratios of these transfer a
+    fit from one device type to another."""
+    spec = gpu_catalog()[device_type]
+    efficiency = {
+        "gemm": spec.gemm_efficiency,
+        "attention_fwd": spec.attention_fwd_efficiency,
+        "attention_bwd": spec.attention_bwd_efficiency,
+    }
+    if op in efficiency:
+        return spec.peak_flops * efficiency[op]
+    return spec.hbm_GBps * 1e9
+
+
+def _with_heldout(fit: OpFit, **changes) -> OpFit:
+    return fit.model_copy(update={"heldout": fit.heldout.model_copy(update=changes)})
+
+
+def _with_emulation_checks(fits: list[tuple[OpFit, _Points]]) -> list[OpFit]:
+    """Emulated fits with their ratio to the 1x fit of the same device type, op and dtype."""
+    base = {(f.device_type, f.op, f.dtype): f for f, _ in fits if f.emulation_slowdown == 1.0}
+    result = []
+    for fit, points in fits:
+        reference = base.get((fit.device_type, fit.op, fit.dtype))
+        if fit.emulation_slowdown == 1.0 or reference is None:
+            result.append(fit)
+            continue
+        own = points.features @ np.array(fit.coefficients)
+        real = points.features @ np.array(reference.coefficients)
+        check = EmulationCheck(
+            expected_ratio=fit.emulation_slowdown,
+            time_ratio=float(np.median(own / real)),
+            coefficient_ratios=tuple(
+                a / b if b > 0 else None for a, b in zip(fit.coefficients, reference.coefficients)
+            ),
+        )
+        result.append(fit.model_copy(update={"emulation_check": check}))
+    return result
+
+
+def _fit_link_families(families: dict[tuple, _Points]) -> list[LinkFit]:
+    fits = []
+    for (link_class, op), points in families.items():
+        sizes, seconds = points.sizes, points.seconds
+        regimes = fit_link(sizes, seconds)
+        train, test = extrapolation_split(sizes)
+        predicted = predict_link(fit_link(sizes[train], seconds[train]), sizes[test])
+        fits.append(
+            LinkFit(
+                link_class=link_class,
+                op=op,
+                device_type=points.device_type,
+                regimes=tuple(Regime(**vars(regime)) for regime in regimes),
+                points=len(seconds),
+                fit_mape=_mape(predict_link(regimes, sizes), seconds),
+                size_range=(float(sizes.min()), float(sizes.max())),
+                source_runs=points.runs,
+                heldout=_heldout(train, test, predicted, seconds[test]).model_copy(
+                    update={"lodo_note": "n/a (links)"}
+                ),
+            )
+        )
+    return fits
+
+
+def _describe_source(run: ProfileSource) -> SourceRun:
+    return SourceRun(
+        run_id=run.run_id,
+        created_at=run.created_at,
+        rows=len(run.measurements),
+        ok_rows=sum(1 for m in run.measurements if _is_ok(m)),
+    )
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    versions = {"python": platform.python_version(), "numpy": np.__version__}
+    for package in ("hexiseq", "scikit-learn"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "unknown"
+    return versions

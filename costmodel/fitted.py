@@ -1,0 +1,219 @@
+"""The fitted cost model: profiled regressions where a device type was profiled, the datasheet
+model elsewhere (DESIGN.md §6).
+
+Choices, and why:
+- An unprofiled GPU type is predicted by `DatasheetCostModel` (labelled "datasheet estimate"),
+  not transferred from a profiled reference by datasheet ratios: the one reference profiled so
+  far is a CPU, and a CPU's achieved fraction of its peak says nothing about a GPU's. The
+  transfer is what the leave-one-device-type-out error of `hexiseq fit` measures; once two
+  GPU types are profiled and that error is small, transfer can replace the datasheet here.
+- The model the simulator uses is the 1x fit (`emulation_slowdown` 1): the simulator already
+  multiplies each rank's compute by its slowdown. Fits of emulated slow devices stay in the
+  document as a check of the emulation.
+- Per device type one dtype is used: float32 on `cpu` (CPU runs train in FP32), bfloat16
+  elsewhere; another profiled dtype only when that one is missing.
+- Links: the measured α–β of a link class replaces the declared link for every node pair of
+  that class (`intra:<gpu>` inside a node of that GPU type, `inter` across nodes); p2p fits
+  are preferred (the ring is p2p), then all_to_all, all_gather, reduce_scatter. The simulator
+  takes one (bandwidth, latency) per pair, so the regime of the largest messages is used.
+  Unmeasured pairs get the cluster's declared numbers x the datasheet link efficiency.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hexiseq.cluster import Cluster
+from hexiseq.costmodel._features import (
+    attention_features,
+    element_bytes,
+    gemm_features,
+)
+from hexiseq.costmodel._fit_document import (
+    FittedDocument,
+    LinkFit,
+    OpFit,
+    dump_fitted_document,
+    parse_fitted_document,
+)
+from hexiseq.costmodel.base import FloatOrArray
+from hexiseq.costmodel.datasheet import DatasheetCostModel, declared_link_parameters
+from hexiseq.profiles import COMPUTE_OPS
+
+LINK_OP_PREFERENCE = ("p2p", "all_to_all", "all_gather", "reduce_scatter")
+"""Which link fit stands for a link class, first found first."""
+
+
+@dataclass(frozen=True)
+class FittedCostModel:
+    """A `CostModel` from a `FittedDocument` (see the module docstring for its choices).
+
+    Every method broadcasts over numpy arrays like `DatasheetCostModel`."""
+
+    document: FittedDocument
+    fallback: DatasheetCostModel = field(default_factory=DatasheetCostModel)
+    _ops: dict[tuple[str, str], OpFit] = field(init=False, repr=False, compare=False)
+    _links: dict[str, LinkFit] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_ops", _used_op_fits(self.document.ops))
+        object.__setattr__(self, "_links", _used_link_fits(self.document.links))
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "fitted model") -> FittedCostModel:
+        """Read the JSON document `to_json` writes; InputError (one line) if it is corrupt."""
+        return cls(parse_fitted_document(text, source))
+
+    def to_json(self) -> str:
+        """The fitted document as JSON text; `from_json` reads it back to an equal model."""
+        return dump_fitted_document(self.document)
+
+    @property
+    def covered_types(self) -> tuple[str, ...]:
+        """Device types with at least one fitted op family, in fit order."""
+        return tuple(dict.fromkeys(gpu for gpu, _ in self._ops))
+
+    def label(self, gpu: str) -> str:
+        """ "fitted (profile run 3, 2026-11-22)", naming op families left to the datasheet;
+        the datasheet model's label for a type that was not profiled."""
+        ops = [op for op in COMPUTE_OPS if (gpu, op) in self._ops]
+        if not ops:
+            return self.fallback.label(gpu)
+        runs = sorted({run for op in ops for run in self._ops[gpu, op].source_runs})
+        label = f"fitted ({_describe_runs(self.document, runs)})"
+        missing = [op for op in COMPUTE_OPS if op not in ops]
+        return label + (f"; datasheet for {', '.join(missing)}" if missing else "")
+
+    def gemm_time_s(
+        self,
+        gpu: str,
+        flops: FloatOrArray,
+        *,
+        bytes_moved: FloatOrArray | None = None,
+        calls: FloatOrArray = 1,
+    ) -> FloatOrArray:
+        fit = self._ops.get((gpu, "gemm"))
+        if fit is None:
+            return self.fallback.gemm_time_s(gpu, flops, bytes_moved=bytes_moved, calls=calls)
+        return _combine(fit, gemm_features(flops, bytes_moved, calls, element_bytes(fit.dtype)))
+
+    def attention_time_s(
+        self,
+        gpu: str,
+        pairs: FloatOrArray,
+        heads: FloatOrArray,
+        head_dim: int,
+        *,
+        backward: bool,
+        q_tokens: FloatOrArray | None = None,
+        kv_tokens: FloatOrArray | None = None,
+        calls: FloatOrArray = 1,
+    ) -> FloatOrArray:
+        fit = self._ops.get((gpu, "attention_bwd" if backward else "attention_fwd"))
+        if fit is None:
+            return self.fallback.attention_time_s(
+                gpu, pairs, heads, head_dim, backward=backward, q_tokens=q_tokens,
+                kv_tokens=kv_tokens, calls=calls,
+            )  # fmt: skip
+        features = attention_features(
+            pairs, heads, head_dim, backward=backward, q_tokens=q_tokens, kv_tokens=kv_tokens,
+            calls=calls, element_size=element_bytes(fit.dtype),
+        )  # fmt: skip
+        return _combine(fit, features)
+
+    def memory_bound_time_s(
+        self, gpu: str, bytes_moved: FloatOrArray, *, calls: FloatOrArray = 1
+    ) -> FloatOrArray:
+        fit = self._ops.get((gpu, "elementwise"))
+        if fit is None:
+            return self.fallback.memory_bound_time_s(gpu, bytes_moved, calls=calls)
+        return _combine(fit, (bytes_moved, calls))
+
+    def transfer_time_s(
+        self, bytes_moved: FloatOrArray, bandwidth_GBps: FloatOrArray, latency_s: FloatOrArray
+    ) -> FloatOrArray:
+        """α + bytes/β with the bandwidth and latency `link_parameters` gave (measured, or
+        declared x link efficiency); 0 where nothing is sent."""
+        seconds = np.where(
+            np.asarray(bytes_moved) > 0,
+            latency_s + np.divide(bytes_moved, np.multiply(bandwidth_GBps, 1e9)),
+            0.0,
+        )
+        return float(seconds) if seconds.ndim == 0 else seconds
+
+    def link_parameters(self, cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
+        """[node, node] bandwidth (GB/s) and latency (s): measured where the link class was
+        profiled, declared x `fallback.link_efficiency` elsewhere."""
+        bandwidth, latency = declared_link_parameters(cluster)
+        bandwidth = bandwidth * self.fallback.link_efficiency
+        inter = self._links.get("inter")
+        if inter is not None:
+            off_diagonal = ~np.eye(len(cluster.nodes), dtype=bool)
+            bandwidth[off_diagonal], latency[off_diagonal] = _link_numbers(inter)
+        for i, node in enumerate(cluster.nodes):
+            intra = self._links.get(f"intra:{node.gpu}")
+            if intra is not None:
+                bandwidth[i, i], latency[i, i] = _link_numbers(intra)
+        return bandwidth, latency
+
+    def link_label(self, link_class: str) -> str:
+        """ "measured (p2p)" for a profiled link class, else "declared x link efficiency"."""
+        fit = self._links.get(link_class)
+        return f"measured ({fit.op})" if fit else "declared x link efficiency"
+
+
+def _combine(fit: OpFit, features: Sequence[FloatOrArray]) -> FloatOrArray:
+    """Σ coefficient x feature, in a fixed order (arrays give what scalars give)."""
+    seconds = 0.0
+    for coefficient, feature in zip(fit.coefficients, features):
+        seconds = seconds + coefficient * feature
+    return seconds
+
+
+def _link_numbers(fit: LinkFit) -> tuple[float, float]:
+    """(bandwidth GB/s, latency s) of the fit's regime for the largest messages."""
+    regime = fit.regimes[-1]
+    per_byte = regime.seconds_per_byte
+    bandwidth_GBps = np.inf if per_byte == 0 else 1.0 / (per_byte * 1e9)
+    return bandwidth_GBps, regime.latency_s
+
+
+def preferred_dtype(device_type: str) -> str:
+    """The dtype hexiseq trains in on `device_type`: float32 on CPU, bfloat16 on GPUs."""
+    return "float32" if device_type == "cpu" else "bfloat16"
+
+
+def _used_op_fits(fits: Sequence[OpFit]) -> dict[tuple[str, str], OpFit]:
+    """(device type, op) -> the 1x fit the model predicts with (preferred dtype first)."""
+    used: dict[tuple[str, str], OpFit] = {}
+    for fit in fits:
+        if fit.emulation_slowdown != 1.0:
+            continue
+        key = (fit.device_type, fit.op)
+        current = used.get(key)
+        preferred = preferred_dtype(fit.device_type)
+        if current is None or (fit.dtype == preferred and current.dtype != preferred):
+            used[key] = fit
+    return used
+
+
+def _used_link_fits(fits: Sequence[LinkFit]) -> dict[str, LinkFit]:
+    """link class -> the fit that stands for it (LINK_OP_PREFERENCE)."""
+    used: dict[str, LinkFit] = {}
+    for fit in sorted(fits, key=lambda f: LINK_OP_PREFERENCE.index(f.op)):
+        used.setdefault(fit.link_class, fit)
+    return used
+
+
+def _describe_runs(document: FittedDocument, runs: list[int]) -> str:
+    """ "profile run 3, 2026-11-22" / "profile runs 3, 5, 2026-11-22" (newest run's date), or
+    "profiles fitted 2026-11-22" when the runs are unknown."""
+    dates = [s.created_at for s in document.sources if s.run_id in runs and s.created_at]
+    if not runs:
+        return f"profiles fitted {document.created_at[:10]}"
+    date = max(dates)[:10] if dates else f"fitted {document.created_at[:10]}"
+    noun = "run" if len(runs) == 1 else "runs"
+    return f"profile {noun} {', '.join(map(str, runs))}, {date}"

@@ -1,0 +1,28 @@
+"""The dashboard's entry point: `streamlit run app.py -- --store URL` (what `hexiseq dashboard`
+starts). Pages via `st.navigation`; each page draws the shared sidebar (`_session.sidebar`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import streamlit as st
+
+PAGES = Path(__file__).parent / "pages"
+
+
+def main() -> None:
+    st.set_page_config(page_title="hexiseq", layout="wide")
+    navigation = st.navigation(
+        [
+            st.Page(PAGES / "plan.py", title="Plan", default=True),
+            st.Page(PAGES / "cluster.py", title="Cluster"),
+            st.Page(PAGES / "memory.py", title="Memory headroom"),
+            st.Page(PAGES / "throughput.py", title="Throughput"),
+            st.Page(PAGES / "profiles.py", title="Profiles"),
+            st.Page(PAGES / "whatif.py", title="What-if"),
+        ]
+    )
+    navigation.run()
+
+
+main()

@@ -1,0 +1,59 @@
+"""Plan page: per device its heads and sequence segments, per-rank time, and a side-by-side
+comparison with a second plan."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from hexiseq.dashboard import _session
+from hexiseq.dashboard.views import plan as views
+
+
+def _headline(selected: _session.SelectedPlan) -> None:
+    plan = selected.plan
+    st.caption(
+        f"{plan.name} from {selected.source}: {plan.model.name} on {plan.cluster.name}, "
+        f"{plan.train.seq_len:,} tokens; cost model: {plan.cost_model_summary}"
+    )
+    tokens, step, memory = st.columns(3)
+    tokens.metric("tokens/s (predicted)", f"{plan.predicted.tokens_per_s:,.1f}")
+    step.metric("step time", f"{plan.predicted.step_time_s:.4g} s")
+    memory.metric("fullest device", f"{100 * plan.predicted.max_memory_fraction:.1f} %")
+
+
+def _layout(plan) -> None:
+    st.plotly_chart(views.segments_figure(plan), key="segments")
+    heads, times = st.columns(2)
+    heads.plotly_chart(views.heads_figure(plan), key="heads")
+    times.plotly_chart(views.time_breakdown_figure(plan), key="times")
+    st.subheader("Devices")
+    st.dataframe(views.assignments_frame(plan), hide_index=True)
+    st.caption(f"knobs: {plan.knobs}")
+
+
+def _compare(plan) -> None:
+    st.subheader("Compare with another plan")
+    choice = _session.plan_picker(st, key="compare_choice", label="Second plan")
+    if choice is None:
+        return
+    other = _session.resolve(choice).plan
+    st.dataframe(views.compare_plans_frame({"shown plan": plan, "second plan": other}))
+    left, right = st.columns(2)
+    for column, shown, tag in ((left, plan, "a"), (right, other, "b")):
+        column.plotly_chart(views.segments_figure(shown), key=f"compare_segments_{tag}")
+        column.plotly_chart(views.time_breakdown_figure(shown), key=f"compare_times_{tag}")
+
+
+def main() -> None:
+    st.title("Plan")
+    _session.sidebar()
+    selected = _session.selected_plan()
+    if selected is None:
+        st.info(_session.PLAN_HINT)
+        return
+    _headline(selected)
+    _layout(selected.plan)
+    _compare(selected.plan)
+
+
+main()

@@ -1,0 +1,193 @@
+"""Plan views: who owns which tokens and heads, and where each rank's step time goes."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.express as px
+import plotly.graph_objects as go
+
+from hexiseq.catalog import GiB
+from hexiseq.plan import Plan
+
+TIME_PARTS = {
+    "linear_s": "linear",
+    "attention_s": "attention",
+    "all_to_all_s": "all-to-all",
+    "ring_exposed_comm_s": "exposed ring comm",
+    "sharding_exposed_comm_s": "exposed sharding comm",
+    "idle_s": "idle (waiting on peers)",
+}
+"""RankTime fields in stacking order, with their legend names; they add up to the step."""
+
+_GROUP_COLORS = px.colors.qualitative.Plotly
+
+
+def rank_label(plan: Plan, rank: int) -> str:
+    """`r3 A100-80G` style label of a rank, used as the y category in every per-rank figure."""
+    return f"r{rank} {plan.cluster.devices[rank].gpu}"
+
+
+def assignments_frame(plan: Plan) -> pd.DataFrame:
+    """One row per rank: node, GPU, HP group, heads, token ranges, tokens, predicted step part."""
+    layout = plan.attention_layout
+    rows = []
+    for assignment, predicted in zip(plan.assignments, plan.predicted.ranks):
+        low, high = assignment.head_range
+        rows.append(
+            {
+                "rank": assignment.rank,
+                "node": assignment.node,
+                "gpu": assignment.gpu,
+                "group": assignment.group,
+                "heads": high - low,
+                "head_range": f"[{low}, {high})",
+                "tokens": assignment.tokens,
+                "token_ranges": " ".join(
+                    f"[{s}, {e})" for s, e in layout.token_ranges[assignment.rank]
+                ),
+                "state_fraction": assignment.state_fraction,
+                "busy_s": predicted.busy_s,
+                "memory_GiB": predicted.memory_bytes / GiB,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def segments_frame(plan: Plan) -> pd.DataFrame:
+    """One row per owned token range: rank, group, start, end (half-open), tokens."""
+    layout = plan.attention_layout
+    rows = [
+        {
+            "rank": rank,
+            "label": rank_label(plan, rank),
+            "group": layout.group_of(rank),
+            "start": start,
+            "end": end,
+            "tokens": end - start,
+        }
+        for rank, ranges in enumerate(layout.token_ranges)
+        for start, end in ranges
+    ]
+    return pd.DataFrame(rows)
+
+
+def segments_figure(plan: Plan) -> go.Figure:
+    """The zigzag chunks on the sequence axis: one row per rank, one bar per owned token range,
+    colored by HP group (one trace per group)."""
+    frame = segments_frame(plan)
+    figure = go.Figure()
+    for group, part in frame.groupby("group", sort=True):
+        figure.add_trace(
+            go.Bar(
+                y=part["label"],
+                x=part["tokens"],
+                base=part["start"],
+                orientation="h",
+                name=f"group {group}",
+                marker_color=_GROUP_COLORS[group % len(_GROUP_COLORS)],
+                customdata=part[["start", "end"]].to_numpy(),
+                hovertemplate="%{y}: tokens [%{customdata[0]:,}, %{customdata[1]:,})"
+                "<extra>group " + str(group) + "</extra>",
+            )
+        )
+    _per_rank_axis(figure, plan)
+    figure.update_layout(
+        title=f"Sequence segments ({plan.train.seq_len:,} tokens, generalized zigzag)",
+        xaxis_title="token position",
+        xaxis_range=[0, plan.train.seq_len],
+        barmode="overlay",
+    )
+    return figure
+
+
+def heads_figure(plan: Plan) -> go.Figure:
+    """Each rank's query-head range inside attention, colored by HP group."""
+    layout = plan.attention_layout
+    figure = go.Figure()
+    for group, members in enumerate(layout.groups):
+        figure.add_trace(
+            go.Bar(
+                y=[rank_label(plan, r) for r in members],
+                x=[layout.num_heads_of(r) for r in members],
+                base=[layout.head_ranges[r][0] for r in members],
+                orientation="h",
+                name=f"group {group}",
+                marker_color=_GROUP_COLORS[group % len(_GROUP_COLORS)],
+                hovertemplate="%{y}: %{x} heads from %{base}<extra></extra>",
+            )
+        )
+    _per_rank_axis(figure, plan)
+    figure.update_layout(
+        title=f"Query heads per rank ({layout.num_heads} heads, {layout.num_kv_heads} K/V)",
+        xaxis_title="query head",
+        xaxis_range=[0, layout.num_heads],
+        barmode="overlay",
+    )
+    return figure
+
+
+def time_breakdown_frame(plan: Plan) -> pd.DataFrame:
+    """Per rank, the predicted seconds of each `TIME_PARTS` term and their total (the step)."""
+    rows = []
+    for rank, predicted in enumerate(plan.predicted.ranks):
+        row = {"rank": rank, "label": rank_label(plan, rank)}
+        row.update({field: getattr(predicted, field) for field in TIME_PARTS})
+        row["step_s"] = predicted.step_s
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def time_breakdown_figure(plan: Plan) -> go.Figure:
+    """Stacked bars of `time_breakdown_frame`: one bar per rank, one trace per term."""
+    frame = time_breakdown_frame(plan)
+    figure = go.Figure(
+        [
+            go.Bar(
+                y=frame["label"],
+                x=frame[field],
+                orientation="h",
+                name=name,
+                hovertemplate="%{y}: %{x:.4g} s<extra>" + name + "</extra>",
+            )
+            for field, name in TIME_PARTS.items()
+        ]
+    )
+    _per_rank_axis(figure, plan)
+    figure.update_layout(
+        title=f"Predicted step time per rank: {plan.predicted.step_time_s:.4g} s "
+        f"[{plan.cost_model_summary}]",
+        xaxis_title="seconds per step",
+        barmode="stack",
+    )
+    return figure
+
+
+def _per_rank_axis(figure: go.Figure, plan: Plan) -> None:
+    """Ranks top to bottom in rank order, rows tall enough to read."""
+    labels = [rank_label(plan, rank) for rank in range(plan.cluster.world_size)]
+    figure.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed")
+    figure.update_layout(height=160 + 22 * len(labels), legend_title_text="")
+
+
+def plan_summary(plan: Plan) -> dict[str, object]:
+    """The headline numbers of a plan, for metrics and side-by-side comparison."""
+    layout = plan.attention_layout
+    return {
+        "name": plan.name,
+        "cluster": plan.cluster.name,
+        "model": plan.model.name,
+        "seq_len": plan.train.seq_len,
+        "devices": plan.cluster.world_size,
+        "hp_groups": len(layout.groups),
+        "hp_group_sizes": " ".join(str(len(g)) for g in layout.groups),
+        "tokens_per_s": plan.predicted.tokens_per_s,
+        "step_time_s": plan.predicted.step_time_s,
+        "max_memory_used_pct": 100 * plan.predicted.max_memory_fraction,
+        "activation_checkpointing": plan.train.activation_checkpointing,
+        "cost_model": plan.cost_model_summary,
+    }
+
+
+def compare_plans_frame(plans: dict[str, Plan]) -> pd.DataFrame:
+    """`plan_summary` of each plan as a column, rows the quantities (side-by-side table)."""
+    return pd.DataFrame({title: plan_summary(plan) for title, plan in plans.items()}).astype(str)

@@ -1,0 +1,194 @@
+"""Profile views: microbenchmark measurements against the fitted cost model's curves, their
+residuals, and each fit's held-out error (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+from hexiseq.costmodel import FittedDocument
+from hexiseq.costmodel._features import measurement_features, size_key
+from hexiseq.costmodel._regression import predict_link
+from hexiseq.profiles import COMPUTE_OPS, ProfileMeasurement
+
+PROFILE_COLUMNS = [
+    "family",
+    "device_type",
+    "op",
+    "dtype",
+    "link_class",
+    "emulation_slowdown",
+    "size",
+    "size_unit",
+    "measured_s",
+    "p10_s",
+    "p90_s",
+    "status",
+    "predicted_s",
+    "relative_error",
+]
+
+
+def family_name(m: ProfileMeasurement) -> str:
+    """`cpu gemm float32` / `cpu gemm float32 2x` (emulated) / `inter p2p` for links."""
+    if m.op in COMPUTE_OPS:
+        slow = f" {m.emulation_slowdown:g}x" if m.emulation_slowdown != 1.0 else ""
+        return f"{m.device_type} {m.op} {m.dtype}{slow}"
+    return f"{m.link_class} {m.op}"
+
+
+def profile_frame(
+    measurements: Sequence[ProfileMeasurement], document: FittedDocument | None
+) -> pd.DataFrame:
+    """One row per measured point: its family, size (FLOPs or bytes), measured median and
+    p10/p90, and the fitted prediction with its relative error (predicted / measured - 1)
+    where a fit of that family exists."""
+    ops = _op_fits(document)
+    links = {(f.link_class, f.op): f for f in document.links} if document else {}
+    rows = [_profile_row(m, ops, links) for m in measurements]
+    return pd.DataFrame(rows, columns=PROFILE_COLUMNS)
+
+
+def _op_fits(document: FittedDocument | None) -> dict:
+    if document is None:
+        return {}
+    return {(f.device_type, f.op, f.dtype, f.emulation_slowdown): f for f in document.ops}
+
+
+def _profile_row(m: ProfileMeasurement, ops: dict, links: dict) -> dict:
+    compute = m.op in COMPUTE_OPS
+    size = size_key(m.op, m) if compute else m.bytes_moved
+    predicted = None
+    if m.status == "ok":
+        predicted = _predict_compute(m, ops) if compute else _predict_link(m, links)
+    return {
+        "family": family_name(m),
+        "device_type": m.device_type,
+        "op": m.op,
+        "dtype": m.dtype,
+        "link_class": m.link_class,
+        "emulation_slowdown": m.emulation_slowdown,
+        "size": float(size),
+        "size_unit": "FLOPs" if compute and m.flops and size == m.flops else "bytes",
+        "measured_s": m.median_s,
+        "p10_s": m.p10_s,
+        "p90_s": m.p90_s,
+        "status": m.status,
+        "predicted_s": predicted,
+        "relative_error": predicted / m.median_s - 1 if predicted and m.median_s else None,
+    }
+
+
+def _predict_compute(m: ProfileMeasurement, ops: dict) -> float | None:
+    fit = ops.get((m.device_type, m.op, m.dtype, m.emulation_slowdown))
+    if fit is None:
+        return None
+    return float(np.dot(fit.coefficients, measurement_features(m)))
+
+
+def _predict_link(m: ProfileMeasurement, links: dict) -> float | None:
+    fit = links.get((m.link_class, m.op))
+    if fit is None:
+        return None
+    return float(predict_link(fit.regimes, np.array(m.bytes_moved)))
+
+
+def profile_figure(frame: pd.DataFrame, family: str) -> go.Figure:
+    """One family: measured medians with p10-p90 bars and the fitted curve, log-log."""
+    part = frame[(frame["family"] == family) & (frame["status"] == "ok")].sort_values("size")
+    measured = go.Scatter(
+        x=part["size"],
+        y=part["measured_s"],
+        mode="markers",
+        name="measured (median, p10-p90)",
+        error_y={
+            "type": "data",
+            "symmetric": False,
+            "array": part["p90_s"] - part["measured_s"],
+            "arrayminus": part["measured_s"] - part["p10_s"],
+        },
+    )
+    traces = [measured]
+    fitted = part.dropna(subset=["predicted_s"])
+    if len(fitted):
+        # Markers, not a line: an op's time depends on more than the size on the x axis.
+        traces.append(
+            go.Scatter(
+                x=fitted["size"],
+                y=fitted["predicted_s"],
+                mode="markers",
+                marker={"symbol": "x", "color": "#ff7f0e"},
+                name="fitted model at each point",
+            )
+        )
+    unit = part["size_unit"].iloc[0] if len(part) else "size"
+    figure = go.Figure(traces)
+    figure.update_layout(
+        title=f"{family}: measured vs fitted",
+        xaxis_title=unit,
+        yaxis_title="seconds per call",
+        xaxis_type="log",
+        yaxis_type="log",
+    )
+    return figure
+
+
+def residuals_figure(frame: pd.DataFrame, family: str) -> go.Figure:
+    """One family's relative errors of the fit (%), against size."""
+    part = frame[(frame["family"] == family)].dropna(subset=["relative_error"])
+    figure = go.Figure(
+        go.Scatter(
+            x=part["size"],
+            y=100 * part["relative_error"],
+            mode="markers",
+            name="predicted / measured - 1",
+        )
+    )
+    figure.add_hline(y=0, line_dash="dot")
+    figure.update_layout(
+        title=f"{family}: residuals",
+        xaxis_type="log",
+        xaxis_title=part["size_unit"].iloc[0] if len(part) else "size",
+        yaxis_title="error (%)",
+    )
+    return figure
+
+
+def heldout_frame(document: FittedDocument) -> pd.DataFrame:
+    """One row per fit: points, in-sample error, and the held-out errors (extrapolation to
+    the largest third of the sizes; leave one device type out), in percent."""
+    rows = []
+    for fit in document.ops:
+        slow = f" {fit.emulation_slowdown:g}x" if fit.emulation_slowdown != 1.0 else ""
+        rows.append(_heldout_row(f"{fit.device_type} {fit.op} {fit.dtype}{slow}", fit))
+    for fit in document.links:
+        rows.append(_heldout_row(f"{fit.link_class} {fit.op}", fit))
+    columns = [
+        "family",
+        "points",
+        "fit_error_pct",
+        "extrapolation_error_pct",
+        "extrapolation_max_error_pct",
+        "leave_one_type_out",
+    ]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def _heldout_row(family: str, fit) -> dict:
+    held = fit.heldout
+    lodo = ", ".join(f"from {e.reference}: {100 * e.mape:.1f} %" for e in held.lodo)
+    return {
+        "family": family,
+        "points": fit.points,
+        "fit_error_pct": 100 * fit.fit_mape,
+        "extrapolation_error_pct": _percent(held.extrapolation_mape),
+        "extrapolation_max_error_pct": _percent(held.extrapolation_max_error),
+        "leave_one_type_out": lodo or held.lodo_note,
+    }
+
+
+def _percent(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction

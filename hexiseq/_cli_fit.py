@@ -1,0 +1,126 @@
+"""`hexiseq fit` and the cost-model choice of `hexiseq plan`: thin shells over
+`hexiseq.costmodel.fit_cost_model` and `FittedCostModel` (imported on use: fitting loads
+scikit-learn, which `hexiseq --help` should not wait for)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING, Any
+
+from hexiseq.errors import InputError
+from hexiseq.store import DEFAULT_STORE_URL
+
+if TYPE_CHECKING:
+    from hexiseq.costmodel import CostModel, FittedDocument, ProfileSource
+    from hexiseq.store import Store
+
+COST_MODEL_CHOICES = ("auto", "datasheet", "fitted")
+
+
+def add_fit_parser(commands: Any) -> None:
+    """Register `hexiseq fit` on the CLI's subcommands."""
+    fit = commands.add_parser(
+        "fit",
+        help="fit the cost model to the profiles in the store and print its held-out errors",
+        description="Fit op-time regressions and link models to every ok profile measurement "
+        "in the store, save them as a fitted model and print the held-out errors "
+        "(extrapolation to the largest third, leave one device type out).",
+    )
+    fit.add_argument(
+        "--store",
+        default=DEFAULT_STORE_URL,
+        metavar="URL",
+        help=f"SQLAlchemy URL of the store with the profiles (default {DEFAULT_STORE_URL})",
+    )
+
+
+def add_cost_model_argument(plan: argparse.ArgumentParser) -> None:
+    """`hexiseq plan --cost-model auto|datasheet|fitted`."""
+    plan.add_argument(
+        "--cost-model",
+        choices=COST_MODEL_CHOICES,
+        default="auto",
+        help="auto: the newest fitted model in --store for the device types it covers, the "
+        "datasheet elsewhere (datasheet only with --no-store); fitted: the same, but an error "
+        "when the store has none; datasheet: datasheet peaks x published efficiencies",
+    )
+
+
+def run_fit(args: argparse.Namespace) -> int:
+    """Fit, save and print the held-out table; InputError when there is nothing to fit."""
+    from hexiseq.costmodel import FittedCostModel, format_heldout_table
+    from hexiseq.store import Store
+
+    with Store.open(args.store) as store:
+        document = fit_store_profiles(store)
+        model = FittedCostModel(document)
+        fitted_id = store.save_fitted_model(model.to_json())
+        url = store.url
+    print(format_heldout_table(document))
+    covered = ", ".join(model.covered_types) or "no device type (links only)"
+    print(f"\nsaved to {url} as fitted model {fitted_id}; `hexiseq plan --store {url}` uses it")
+    print(f"for {covered} and the datasheet for every other GPU type")
+    return 0
+
+
+def read_profile_sources(store: Store) -> list[ProfileSource]:
+    """Every profile run of `store` with its measurements; InputError if there is none."""
+    from hexiseq.costmodel import ProfileSource
+
+    runs = store.profile_measurements_by_run()
+    if not runs:
+        raise InputError(
+            f"store {store.url} holds no profile measurements; run `hexiseq profile "
+            f"--device cpu --quick --store {store.url}` first"
+        )
+    return [
+        ProfileSource(run_id, started_at.isoformat(), measurements)
+        for run_id, started_at, measurements in runs
+    ]
+
+
+def fit_store_profiles(store: Store) -> FittedDocument:
+    """Fit every ok measurement of `store`; InputError when no family has enough points."""
+    from hexiseq.costmodel import fit_cost_model
+
+    document = fit_cost_model(read_profile_sources(store))
+    if not document.ops and not document.links:
+        reasons = "; ".join(f"{s.what}: {s.reason}" for s in document.skipped[:3])
+        ok_rows = sum(source.ok_rows for source in document.sources)
+        raise InputError(
+            f"store {store.url}: nothing to fit ({ok_rows} ok measurements"
+            + (f"; {reasons}" if reasons else "")
+            + ")"
+        )
+    return document
+
+
+def plan_cost_model(args: argparse.Namespace, store: Store | None) -> CostModel | None:
+    """The cost model `hexiseq plan` passes to `plan_search` (None: the datasheet default).
+
+    `store` is the store the plans go to (None with --no-store); `--cost-model fitted` opens
+    `--store` for reading when it is None. Raises InputError when `fitted` finds no fitted
+    model, or the stored document is corrupt.
+    """
+    if args.cost_model == "datasheet" or (store is None and args.cost_model == "auto"):
+        return None
+    if store is None:
+        from hexiseq.store import Store
+
+        with Store.open(args.store) as own_store:
+            return _latest_fitted(own_store, required=True)
+    return _latest_fitted(store, required=args.cost_model == "fitted")
+
+
+def _latest_fitted(store: Store, *, required: bool) -> CostModel | None:
+    text = store.latest_fitted_model()
+    if text is None:
+        if required:
+            raise InputError(
+                f"--cost-model fitted: store {store.url} holds no fitted model; run "
+                f"`hexiseq fit --store {store.url}` after `hexiseq profile`"
+            )
+        return None
+    from hexiseq.costmodel import FittedCostModel
+
+    return FittedCostModel.from_json(text, source=f"store {store.url}: latest fitted model")

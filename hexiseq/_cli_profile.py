@@ -1,0 +1,265 @@
+"""`hexiseq profile` (compute sweep on one device) and `hexiseq profile links` (link sweep
+under torchrun): argument parsing and checks, then a hand-over to `hexiseq.profiler`.
+
+Every input is checked before the store is created or torch starts work, so bad input exits
+with code 2 and one line. Importing this module imports neither torch nor the profiler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from hexiseq.errors import InputError
+from hexiseq.store import DEFAULT_STORE_URL
+
+_DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+_COMPUTE_ONLY = {"emulation_slowdown": "--emulation-slowdown", "threads": "--threads"}
+
+
+def add_profile_parser(commands) -> None:
+    """Add `profile` (and its `links` subcommand) to the CLI's subcommands."""
+    profile = commands.add_parser(
+        "profile",
+        help="microbenchmark a device (GEMM, attention, elementwise) or its links; "
+        "results go to the store",
+        description="Run the compute sweep of a grid on one device and write one row per point "
+        "to the store; points already there are skipped, so an interrupted sweep resumes.",
+    )
+    _add_shared_options(profile, argparse_defaults=True)
+    profile.add_argument(
+        "--emulation-slowdown",
+        type=_slowdown,
+        default=None,
+        metavar="K",
+        help="CPU only: pad each timed call by sleeping (K-1) x its duration, to profile an "
+        "emulated device K times slower (default 1)",
+    )
+    profile.add_argument(
+        "--threads",
+        type=_positive_int,
+        default=None,
+        metavar="N",
+        help="torch.set_num_threads(N) for the sweep (default: torch's own choice)",
+    )
+    targets = profile.add_subparsers(
+        dest="profile_target", parser_class=type(profile), title="link sweep", metavar="links"
+    )
+    _add_links_parser(targets)
+
+
+def _add_links_parser(targets) -> None:
+    links = targets.add_parser(
+        "links",
+        help="measure p2p, all-to-all, all-gather and reduce-scatter between N local ranks",
+        description="Start torchrun with N ranks (gloo on CPU, NCCL on CUDA) and time p2p ring "
+        "exchanges and collectives over message sizes; rank 0 writes the rows.",
+    )
+    _add_shared_options(links, argparse_defaults=False)
+    links.add_argument(
+        "--nproc", type=_positive_int, required=True, metavar="N", help="ranks (at least 2)"
+    )
+    links.add_argument(
+        "--link-class",
+        metavar="NAME",
+        help="what the measured link stands for, e.g. inter when CPU processes on one machine "
+        "emulate an inter-node link (default intra:<device_type>)",
+    )
+
+
+def _add_shared_options(parser: argparse.ArgumentParser, *, argparse_defaults: bool) -> None:
+    """Options both sweeps take. On `links` they default to SUPPRESS, so that an option given
+    before `links` (`profile --quick links ...`) is not overwritten by the subparser."""
+
+    def default(value):
+        return value if argparse_defaults else argparse.SUPPRESS
+
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default=default("cpu"),
+        metavar="cpu|cuda[:I]",
+        help="device to profile (links: cpu or cuda; default cpu)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", default=default(False), help="the small quick grid"
+    )
+    parser.add_argument(
+        "--grid",
+        default=default(None),
+        metavar="PATH",
+        help="grid YAML file (default: the shipped full grid, or quick with --quick)",
+    )
+    parser.add_argument(
+        "--store",
+        default=default(DEFAULT_STORE_URL),
+        metavar="URL",
+        help=f"SQLAlchemy URL of the store (default {DEFAULT_STORE_URL})",
+    )
+    parser.add_argument(
+        "--device-type",
+        default=default(None),
+        metavar="GPU",
+        help="catalog GPU type of a CUDA device whose name the catalog does not match",
+    )
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Run the sweep `args` ask for; raises InputError (exit 2) for bad input."""
+    if args.profile_target == "links":
+        return _run_links(args)
+    return _run_compute(args)
+
+
+def _run_compute(args: argparse.Namespace) -> int:
+    from hexiseq.profiler import load_grid
+
+    slowdown = 1.0 if args.emulation_slowdown is None else args.emulation_slowdown
+    if slowdown > 1.0 and args.device != "cpu":
+        raise InputError(
+            f"--emulation-slowdown {slowdown:g} pads CPU compute by sleeping; it is for "
+            f"--device cpu only (a GPU is profiled as it is)"
+        )
+    grid_path, grid_label = _grid_source(args)
+    grid = load_grid(grid_path)
+    return _sweep_compute(args, grid, grid_label, slowdown)
+
+
+def _sweep_compute(args: argparse.Namespace, grid, grid_label: str, slowdown: float) -> int:
+    import torch
+
+    from hexiseq.profiler import ComputeSweep, describe_device, parse_device, run_compute_sweep
+    from hexiseq.profiler._device import check_device_available
+    from hexiseq.store import Store
+
+    device = parse_device(args.device)
+    check_device_available(device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    identity = describe_device(device, args.device_type)
+    sweep = ComputeSweep(
+        grid=grid,
+        grid_name=grid_label,
+        device=device,
+        identity=identity,
+        quick=args.quick,
+        emulation_slowdown=slowdown,
+        command=_command_line(args, grid_label),
+    )
+    with Store.open(args.store) as store:
+        summary = run_compute_sweep(store, sweep)
+        print(
+            f"profile {identity.device_type} ({identity.device_name}), grid {grid_label}: "
+            f"{summary.describe()}; store {store.url}"
+        )
+    return 0
+
+
+def _run_links(args: argparse.Namespace) -> int:
+    """Check everything here (one clear line), then hand over to torchrun."""
+    from hexiseq.profiler import load_grid
+    from hexiseq.store import Store
+
+    for name, flag in _COMPUTE_ONLY.items():
+        if getattr(args, name) is not None:
+            raise InputError(f"{flag} is for compute sweeps, not `profile links`")
+    if args.nproc < 2:
+        raise InputError(f"--nproc {args.nproc}: a link needs at least 2 ranks")
+    if args.device not in ("cpu", "cuda"):
+        raise InputError(f"--device {args.device}: links run on cpu or cuda (rank i on cuda:i)")
+    if args.link_class is not None and not args.link_class.strip():
+        raise InputError("--link-class must not be empty")
+    grid_path, grid_label = _grid_source(args)
+    if load_grid(grid_path).links is None:
+        raise InputError(f"grid file {grid_path}: has no links section to sweep")
+    if args.device == "cuda":
+        _check_cuda_ranks(args.nproc)
+    Store.open(args.store).close()  # a bad URL fails here, in one line, not on rank 0
+    # One thread per rank (the ranks share the machine); set here, torchrun prints no banner.
+    environment = {"OMP_NUM_THREADS": "1", **os.environ}
+    command = _torchrun_command(args, grid_path, grid_label)
+    return subprocess.run(command, env=environment, check=False).returncode
+
+
+def _check_cuda_ranks(nproc: int) -> None:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < nproc:
+        raise InputError(f"--nproc {nproc} on cuda needs {nproc} CUDA devices; this has {count}")
+
+
+def _torchrun_command(args: argparse.Namespace, grid_path: Path, grid_label: str) -> list[str]:
+    optional = {"--device-type": args.device_type, "--link-class": args.link_class}
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",  # a free rendezvous port on this machine
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "hexiseq.profiler.links",
+        f"--grid={grid_path}",
+        f"--grid-name={grid_label}",
+        f"--store={args.store}",
+        f"--device={args.device}",
+        f"--command={_command_line(args, grid_label)}",
+        *[f"{flag}={value}" for flag, value in optional.items() if value is not None],
+        *(["--quick"] if args.quick else []),
+        *(["--progress"] if sys.stderr.isatty() else []),
+    ]
+
+
+def _grid_source(args: argparse.Namespace) -> tuple[Path, str]:
+    """(grid file, label recorded in the store): the user's file or a shipped grid."""
+    from hexiseq.profiler import builtin_grid_path
+
+    if args.grid is not None:
+        return Path(args.grid), str(args.grid)
+    path = builtin_grid_path(args.quick)
+    return path, path.stem
+
+
+def _command_line(args: argparse.Namespace, grid_label: str) -> str:
+    """The sweep as a command, recorded with its run (the store URL left out)."""
+    words = ["hexiseq profile"]
+    if args.profile_target == "links":
+        words += ["links", f"--nproc {args.nproc}"]
+        words += [f"--link-class {args.link_class}"] if args.link_class else []
+    words += [f"--device {args.device}", f"--grid {grid_label}"]
+    words += ["--quick"] if args.quick else []
+    if getattr(args, "emulation_slowdown", None):
+        words.append(f"--emulation-slowdown {args.emulation_slowdown:g}")
+    if getattr(args, "threads", None):
+        words.append(f"--threads {args.threads}")
+    return " ".join(words)
+
+
+def _device(text: str) -> str:
+    if not _DEVICE.match(text):
+        raise argparse.ArgumentTypeError(f"'{text}' is not cpu, cuda or cuda:INDEX")
+    return text
+
+
+def _slowdown(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not value >= 1.0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (got {text})")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
+    return value

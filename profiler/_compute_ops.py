@@ -1,0 +1,130 @@
+"""The torch calls a compute point times, with their random inputs.
+
+Attention calls the very kernels `hexiseq.runtime._kernels` calls, chosen by the same rule
+(the profiler may not import the runtime, so the ops are called here directly): on CPU
+`aten._scaled_dot_product_flash_attention_for_cpu` (log-sum-exp returned) and its backward; on
+CUDA the flash kernels for fp16/bf16 and the memory-efficient ones for fp32, each with its own
+backward, given the forward's output and fp32 log-sum-exp as the runtime's ring backward is.
+Shapes as the runtime's tiles: q (1, H, L, D), k/v (1, H, S, D) (GQA expanded by the caller).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional
+
+from ._points import Point
+
+_CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_CUDA_EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CUDA_MAX_HEAD_DIM = 256
+_SEED = 1234
+
+
+class UnprofiledKernelError(RuntimeError):
+    """The runtime would use its explicit fp32 fallback here; there is no fused kernel to time."""
+
+
+def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """Which kernel family the runtime runs for these inputs (mirrors `_kernels._backend`)."""
+    if device.type == "cpu":
+        return "cpu_flash"
+    if device.type == "cuda" and head_dim % 8 == 0 and head_dim <= _CUDA_MAX_HEAD_DIM:
+        if dtype in _CUDA_FLASH_DTYPES:
+            return "cuda_flash"
+        if dtype in _CUDA_EFFICIENT_DTYPES:
+            return "cuda_efficient"
+    return "explicit"
+
+
+def build_calls(
+    point: Point, device: torch.device, input_sets: int
+) -> tuple[list[Callable[[], object]], str]:
+    """One zero-argument call per input set, and the name of the kernel they run."""
+    dtype = getattr(torch, point.dtype)
+    generator = torch.Generator(device=device).manual_seed(_SEED)
+
+    def random(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, dtype=dtype, device=device, generator=generator)
+
+    if point.op == "gemm":
+        return _gemm_calls(point.params, random, input_sets), "linear"
+    if point.op == "elementwise":
+        return _elementwise_calls(point.params, random, input_sets), "add"
+    kernel = attention_kernel(device, dtype, int(point.params["head_dim"]))
+    if kernel == "explicit":
+        raise UnprofiledKernelError(
+            f"no fused attention kernel for {point.dtype} head_dim {point.params['head_dim']} "
+            f"on {device.type}; the runtime falls back to explicit fp32 matmuls"
+        )
+    backward = point.op == "attention_bwd"
+    return _attention_calls(point.params, random, input_sets, kernel, backward), kernel
+
+
+def _gemm_calls(params, random, input_sets: int) -> list[Callable[[], object]]:
+    m, n, k = params["m"], params["n"], params["k"]
+    weight = random(n, k)  # one weight, several activations: as a layer sees successive batches
+    inputs = [random(m, k) for _ in range(input_sets)]
+    return [lambda x=x: functional.linear(x, weight) for x in inputs]
+
+
+def _elementwise_calls(params, random, input_sets: int) -> list[Callable[[], object]]:
+    numel = params["numel"]
+    out = random(numel)
+    pairs = [(random(numel), random(numel)) for _ in range(input_sets)]
+    return [lambda a=a, b=b: torch.add(a, b, out=out) for a, b in pairs]
+
+
+def _attention_calls(params, random, input_sets, kernel, backward):
+    heads, head_dim = params["heads"], params["head_dim"]
+    causal, scale = bool(params["causal"]), head_dim**-0.5
+    calls = []
+    for _ in range(input_sets):
+        q = random(1, heads, params["q_len"], head_dim)
+        k, v = (random(1, heads, params["kv_len"], head_dim) for _ in range(2))
+        if not backward:
+            calls.append(lambda q=q, k=k, v=v: _forward(kernel, q, k, v, causal, scale))
+            continue
+        out, lse = _forward(kernel, q, k, v, causal, scale)
+        dout = random(*out.shape)
+        args = (dout, q, k, v, out, lse)
+        calls.append(lambda args=args: _backward(kernel, *args, causal, scale))
+    return calls
+
+
+def _forward(kernel, q, k, v, causal, scale):
+    """(out, lse fp32) as `_kernels.block_forward` computes them."""
+    if kernel == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.float()
+    if kernel == "cuda_flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse.float()
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.shape[2]].float()  # drop the kernel's row padding
+
+
+def _backward(kernel, dout, q, k, v, out, lse, causal, scale):
+    """(dq, dk, dv) as `_kernels.block_backward` computes them."""
+    if kernel == "cpu_flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+    if kernel == "cuda_flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2],
+            0.0, causal, no_rng, no_rng, scale=scale,
+        )  # fmt: skip
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0,
+        [True, True, True, False], causal, scale=scale,
+    )[:3]  # fmt: skip

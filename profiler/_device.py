@@ -1,0 +1,163 @@
+"""What a measurement ran on: device type and name, clocks, software versions, host.
+
+The device type is the GPU catalog's name (`hexiseq/data/gpus.yaml`), because the cost model
+joins profiles to clusters by it: `cpu` for CPUs, and for a GPU the catalog entry its driver
+name matches. An unknown GPU is refused rather than guessed; `--device-type` names it.
+"""
+
+from __future__ import annotations
+
+import platform
+import re
+import socket
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hexiseq.catalog import gpu_catalog, gpu_spec
+from hexiseq.errors import InputError
+
+_CUDA_DEVICE = re.compile(r"^cuda(?::(\d+))?$")
+_NVIDIA_SMI_TIMEOUT_S = 5.0
+
+# Ordered: the first rule whose words all appear in the driver's name wins.
+_CATALOG_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("H100", "PCIE"), "H100-PCIe"),
+    (("H100", "NVL"), "H100-PCIe"),
+    (("H100",), "H100-SXM"),
+    (("H800",), "H800"),
+    (("H200",), "H200"),
+    (("B200",), "B200"),
+    (("A800",), "A800-80G"),
+    (("V100",), "V100-32G"),
+    (("L40S",), "L40S"),
+    (("3090",), "RTX-3090"),
+    (("4090",), "RTX-4090"),
+    (("MI300X",), "MI300X"),
+)
+_A100_80G_MIN_GIB = 48  # the driver reports ~79 GiB for an 80 GB card, ~39 for a 40 GB one
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    device_type: str
+    device_name: str
+    clocks: str | None
+    torch_version: str
+    cuda_version: str | None
+    host: str
+
+
+def parse_device(text: str) -> torch.device:
+    """`cpu`, `cuda` or `cuda:I` as a torch device; InputError otherwise."""
+    if text == "cpu":
+        return torch.device("cpu")
+    match = _CUDA_DEVICE.match(text)
+    if match is None:
+        raise InputError(f"--device {text!r} is not allowed; allowed: cpu, cuda, cuda:INDEX")
+    return torch.device("cuda", int(match.group(1) or 0))
+
+
+def check_device_available(device: torch.device) -> None:
+    """InputError unless a CUDA device with that index exists (CPU always does)."""
+    if device.type != "cuda":
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.index >= count:
+        raise InputError(
+            f"--device cuda:{device.index}: this machine has {count} CUDA device(s) "
+            f"(torch {torch.__version__}); use --device cpu"
+        )
+
+
+def catalog_type_for(gpu_name: str, memory_GiB: float) -> str | None:
+    """The catalog GPU type whose name `gpu_name` (as the driver reports it) matches."""
+    upper = gpu_name.upper()
+    if "A100" in upper:
+        return "A100-80G" if memory_GiB >= _A100_80G_MIN_GIB else "A100-40G"
+    for words, catalog_name in _CATALOG_RULES:
+        if all(word in upper for word in words):
+            return catalog_name
+    return None
+
+
+def describe_device(device: torch.device, device_type: str | None = None) -> DeviceIdentity:
+    """Identity of `device`; `device_type` overrides the catalog match (GPUs only)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        memory_GiB = torch.cuda.get_device_properties(device).total_memory / 1024**3
+        resolved = _resolve_gpu_type(name, memory_GiB, device_type)
+        clocks = nvidia_smi_clocks(_nvidia_smi_id(device))
+    else:
+        if device_type not in (None, "cpu"):
+            raise InputError(f"--device-type {device_type!r}: a CPU profile is of type cpu")
+        name, resolved, clocks = cpu_model_name(), "cpu", cpu_clock()
+    return DeviceIdentity(
+        device_type=resolved,
+        device_name=name,
+        clocks=clocks,
+        torch_version=torch.__version__,
+        cuda_version=torch.version.cuda,
+        host=socket.gethostname(),
+    )
+
+
+def _resolve_gpu_type(name: str, memory_GiB: float, device_type: str | None) -> str:
+    if device_type is not None:
+        return gpu_spec(device_type).name  # InputError listing the catalog if unknown
+    matched = catalog_type_for(name, memory_GiB)
+    if matched is None:
+        raise InputError(
+            f"GPU {name!r} matches no catalog type; name it with --device-type "
+            f"({', '.join(gpu_catalog())})"
+        )
+    return matched
+
+
+def cpu_model_name() -> str:
+    """`model name` from /proc/cpuinfo, else what `platform` knows."""
+    value = _cpuinfo_field("model name")
+    return value or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_clock() -> str | None:
+    """The first core's current clock from /proc/cpuinfo (it varies with load), if known."""
+    value = _cpuinfo_field("cpu MHz")
+    return f"cpu {float(value):.0f} MHz (current)" if value else None
+
+
+def _cpuinfo_field(name: str) -> str | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name and value.strip():
+            return value.strip()
+    return None
+
+
+def _nvidia_smi_id(device: torch.device) -> str:
+    """The GPU's UUID as nvidia-smi writes it (torch's index differs from nvidia-smi's under
+    CUDA_VISIBLE_DEVICES), else the index."""
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    return f"GPU-{uuid}" if uuid is not None else str(device.index)
+
+
+def nvidia_smi_clocks(gpu_id: str) -> str | None:
+    """SM and memory clocks (current and max) from nvidia-smi, or None without it."""
+    query = "clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem"
+    command = ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader", f"--id={gpu_id}"]
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=_NVIDIA_SMI_TIMEOUT_S, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    values = [v.strip() for v in result.stdout.strip().split(",")]
+    if len(values) != 4:
+        return None
+    return f"sm {values[0]}, mem {values[1]} (max sm {values[2]}, max mem {values[3]})"

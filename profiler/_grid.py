@@ -1,0 +1,142 @@
+"""The sweep grid: which sizes a profiling sweep measures, read from a YAML file the user edits.
+
+Two grids ship in `grids/`: `full.yaml` (sized for GPUs; a CPU sweep drops the points above
+`max_gflop_per_call.cpu`) and `quick.yaml` (a few minutes at most anywhere). `--grid PATH`
+names another. Bad files fail with one line naming the file and the field. No torch here, so
+the CLI can check a grid before it starts anything.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, ValidationError, field_validator
+
+from hexiseq._yaml import format_validation_error, read_yaml_file
+from hexiseq.errors import InputError
+from hexiseq.model import model_presets
+from hexiseq.profiles import LINK_OPS
+
+GRIDS_DIR = Path(__file__).parent / "grids"
+BUILTIN_GRIDS = ("full", "quick")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+DeviceKind = Literal["cpu", "cuda"]
+MIN_SAMPLES = 10  # DESIGN.md §5
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class TimingSpec(_Strict):
+    """How each point is timed (DESIGN.md §5)."""
+
+    warmup_s: float = Field(0.1, ge=0.0)
+    """Calls run untimed for at least this long before the samples (at least one call)."""
+    samples: int = Field(MIN_SAMPLES, ge=MIN_SAMPLES)
+    """Timed calls per point."""
+    input_sets: PositiveInt = 3
+    """Random input tensors rotated between calls, so no call reads what the last one cached."""
+
+
+class GemmSpec(_Strict):
+    """Linear-layer GEMMs: C[m, n] = A[m, k] @ W[n, k]^T, as `nn.Linear` computes them."""
+
+    models: list[str] = []
+    """Model presets whose q, k, v, o, MLP and LM-head shapes are measured."""
+    tokens: list[PositiveInt] = []
+    """Token counts (m) for the model shapes."""
+    ladder: list[PositiveInt] = []
+    """Square sizes m = n = k, a size ladder independent of any model."""
+
+    @field_validator("models")
+    @classmethod
+    def _known_models(cls, models: list[str]) -> list[str]:
+        unknown = [name for name in models if name not in model_presets()]
+        if unknown:
+            raise ValueError(
+                f"unknown model preset {unknown[0]!r}; known: {', '.join(model_presets())}"
+            )
+        return models
+
+
+class AttentionSpec(_Strict):
+    """Attention blocks as the runtime's tiles are: full blocks for every (q_len, kv_len) and
+    causal blocks on the diagonal only (square, q_len = kv_len)."""
+
+    q_lens: list[PositiveInt]
+    kv_lens: list[PositiveInt]
+    heads: list[PositiveInt]
+    head_dims: list[Literal[16, 32, 64, 128]]
+    causal: list[bool] = [False, True]
+    backward: bool = True
+    """Also measure the backward kernel (attention_bwd) of each block."""
+
+
+class ElementwiseSpec(_Strict):
+    """A bandwidth-bound kernel (c = a + b) over `numels` elements."""
+
+    numels: list[PositiveInt]
+
+
+class LinkSpec(_Strict):
+    """Link sweeps (`hexiseq profile links`): message sizes are the powers of two from
+    `min_bytes` to `max_bytes`."""
+
+    ops: list[Literal[LINK_OPS]] = list(LINK_OPS)  # type: ignore[valid-type]
+    min_bytes: PositiveInt = 1024
+    max_bytes: PositiveInt = 256 * 1024**2
+    dtype: Literal[DTYPES] = "float32"  # type: ignore[valid-type]
+
+    @field_validator("min_bytes", "max_bytes")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1) or value < 8:
+            raise ValueError(f"must be a power of two >= 8 bytes, got {value}")
+        return value
+
+
+class Grid(_Strict):
+    """A whole sweep grid file."""
+
+    name: str
+    timing: TimingSpec = TimingSpec()
+    dtypes: dict[DeviceKind, list[Literal[DTYPES]]] = {  # type: ignore[valid-type]
+        "cpu": ["float32"],
+        "cuda": ["bfloat16"],
+    }
+    """Compute dtypes per device kind (CPU runs use fp32, GPU runs bf16)."""
+    max_gflop_per_call: dict[DeviceKind, float] = {}
+    """Points above this many GFLOP per call are left out on that device kind (keeps a CPU
+    sweep of the GPU-sized grid bounded); no entry: no limit."""
+    gemm: GemmSpec | None = None
+    attention: AttentionSpec | None = None
+    elementwise: ElementwiseSpec | None = None
+    links: LinkSpec | None = None
+
+
+def builtin_grid_path(quick: bool) -> Path:
+    """The shipped grid file: quick.yaml or full.yaml."""
+    return GRIDS_DIR / f"{'quick' if quick else 'full'}.yaml"
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read and validate a grid file; InputError naming the file and the field otherwise."""
+    document = read_yaml_file(path, "grid")
+    if not isinstance(document, dict):
+        raise InputError(f"grid file {path}: must be a mapping of grid fields")
+    try:
+        grid = Grid.model_validate(document)
+    except ValidationError as exc:
+        raise InputError(format_validation_error(exc, f"grid file {path}", Grid)) from None
+    _check_link_range(grid, path)
+    return grid
+
+
+def _check_link_range(grid: Grid, path: str | Path) -> None:
+    if grid.links is not None and grid.links.min_bytes > grid.links.max_bytes:
+        raise InputError(
+            f"grid file {path}: links.min_bytes ({grid.links.min_bytes}) is above "
+            f"links.max_bytes ({grid.links.max_bytes})"
+        )

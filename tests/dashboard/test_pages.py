@@ -1,0 +1,129 @@
+"""Every page through Streamlit's AppTest, on an empty and on a populated store, with the
+app's own `st.navigation`; and the what-if page running a search."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from hexiseq.dashboard import _session
+from hexiseq.store import Store
+
+APP = Path(__file__).parents[2] / "dashboard" / "app.py"
+PAGES = ("plan", "cluster", "memory", "throughput", "profiles", "whatif")
+TIMEOUT_S = 60
+
+
+def open_page(store_url: str, page: str, **state) -> AppTest:
+    """The app run once (to register its pages), then switched to `page` and run again."""
+    app = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S)
+    app.session_state[_session.STORE_URL_KEY] = store_url
+    for key, value in state.items():
+        app.session_state[key] = value
+    app.run()
+    app.switch_page(f"pages/{page}.py").run()
+    return app
+
+
+def texts(app: AppTest) -> str:
+    """Everything the page says in markdown, info, warning, error and caption elements."""
+    parts = [
+        e.value
+        for kind in ("markdown", "info", "warning", "error", "caption")
+        for e in getattr(app, kind)
+    ]
+    return "\n".join(str(p) for p in parts)
+
+
+def assert_no_exception(app: AppTest) -> None:
+    assert not app.exception, [e.value for e in app.exception]
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_on_an_empty_store_says_how_to_get_data(page, empty_store_url):
+    app = open_page(empty_store_url, page)
+    assert_no_exception(app)
+    said = texts(app)
+    expected = {
+        "plan": "hexiseq plan --cluster",
+        "cluster": "hexiseq plan --cluster",
+        "memory": "hexiseq plan --cluster",
+        "throughput": "hexiseq run --plan",
+        "profiles": "hexiseq profile",
+        "whatif": "run the search",
+    }[page]
+    assert expected in said
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_on_a_populated_store_renders(page, populated_store):
+    app = open_page(populated_store.url, page)
+    assert_no_exception(app)
+    assert not app.error, [e.value for e in app.error]
+    if page in ("plan", "cluster", "memory", "throughput", "profiles"):
+        assert "hexiseq plan --cluster" not in texts(app)  # the data is there, no hint
+        assert "hexiseq profile" not in texts(app)
+        assert app.get("plotly_chart"), "no figure drawn"
+
+
+def test_profiles_page_shows_the_fit_and_its_heldout_error(populated_store):
+    app = open_page(populated_store.url, "profiles")
+    assert app.selectbox(key="profile_family").options == ["cpu gemm float32", "intra:cpu p2p"]
+    heldout = next(d.value for d in app.dataframe if "extrapolation_error_pct" in d.value)
+    assert list(heldout["family"]) == ["cpu gemm float32", "intra:cpu p2p"]
+    app.selectbox(key="profile_family").set_value("intra:cpu p2p").run()
+    assert_no_exception(app)
+
+
+def test_plan_page_compares_two_saved_plans(populated_store):
+    with Store.open(populated_store.url) as store:
+        other = next(r.id for r in store.list_plans() if r.label == "ring-only")
+    app = open_page(populated_store.url, "plan", compare_choice=f"store:{other}")
+    assert_no_exception(app)
+    table = next(d.value for d in app.dataframe if "shown plan" in d.value.columns)
+    assert table.loc["name", "second plan"] == "ring-only"
+    assert table.loc["name", "shown plan"] == "hexiseq"
+
+
+def test_throughput_page_shows_the_runtime_run(populated_store):
+    app = open_page(populated_store.url, "throughput")
+    runs = next(d.value for d in app.dataframe if "measured_step_s" in d.value.columns)
+    assert len(runs) == 1
+    assert runs.iloc[0]["measured_over_predicted"] == pytest.approx(1.5)
+
+
+def test_uploaded_plan_is_shown(empty_store_url, tiny_result):
+    uploads = {"mine.json": tiny_result.best.to_json_text()}
+    app = open_page(empty_store_url, "memory", **{_session.UPLOADS_KEY: uploads})
+    assert_no_exception(app)
+    assert app.sidebar.selectbox[0].value == "upload:mine.json"
+    assert app.get("plotly_chart")
+
+
+def test_a_bad_store_url_is_one_error_line():
+    app = open_page("mysql://nobody@nowhere/db", "plan")
+    assert_no_exception(app)
+    assert len(app.error) == 1 and "mysql" in app.error[0].value
+
+
+def test_whatif_search_shows_its_result_everywhere_and_saves_it(empty_store_url):
+    app = open_page(empty_store_url, "whatif")
+    app.selectbox(key="whatif_cluster").set_value("cpu-emulated-2type")
+    app.selectbox(key="whatif_model").set_value("tiny")
+    app.text_input(key="whatif_seq_len").set_value("8k")
+    app.button[0].click().run()  # the form's submit button
+    assert_no_exception(app)
+    result = app.session_state[_session.WHATIF_KEY]["result"]
+    assert result.best.model.name == "tiny"
+    assert app.sidebar.selectbox[0].value == _session.WHATIF_CHOICE
+    assert "Result: tiny on cpu-emulated-2type" in app.subheader[0].value
+    app.button(key="whatif_save").click().run()
+    assert_no_exception(app)
+    with Store.open(empty_store_url) as store:
+        labels = sorted(r.label for r in store.list_plans())
+    assert labels == ["best", "ring-only", "ulysses-only", "uniform-usp"]
+    app.switch_page("pages/throughput.py").run()
+    assert_no_exception(app)
+    assert len(app.get("plotly_chart")) >= 2  # plan vs baselines, search history

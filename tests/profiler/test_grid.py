@@ -1,0 +1,57 @@
+"""Grid files: the shipped ones load; a bad one fails in one line naming the file and field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from hexiseq.errors import InputError
+from hexiseq.profiler import BUILTIN_GRIDS, builtin_grid_path, load_grid
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_shipped_grids_load(quick: bool) -> None:
+    grid = load_grid(builtin_grid_path(quick))
+    assert grid.name == ("quick" if quick else "full")
+    assert grid.name in BUILTIN_GRIDS
+    assert grid.timing.samples >= 10
+    assert grid.gemm and grid.attention and grid.elementwise and grid.links
+
+
+def test_full_grid_link_sizes_reach_256_MiB() -> None:
+    links = load_grid(builtin_grid_path(quick=False)).links
+    assert links.min_bytes == 1024 and links.max_bytes >= 256 * 1024**2
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("name: x\ntiming: {samples: 5}\n", "timing.samples"),
+        ("name: x\nbogus: 1\n", "bogus: unknown key"),
+        ("name: x\ngemm: {models: [gpt-9]}\n", "unknown model preset 'gpt-9'"),
+        ("name: x\nattention: {q_lens: [8], kv_lens: [8], heads: [1], head_dims: [24]}\n",
+         "attention.head_dims[0]"),
+        ("name: x\nlinks: {min_bytes: 1000}\n", "links.min_bytes: must be a power of two"),
+        ("name: x\nlinks: {min_bytes: 4096, max_bytes: 1024}\n", "above links.max_bytes"),
+        ("name: x\ndtypes: {tpu: [float32]}\n", "dtypes.tpu"),
+        ("timing: {}\n", "name: required field is missing"),
+        ("name: [unclosed\n", "not valid YAML"),
+        ("- a list\n", "must be a mapping"),
+    ],
+)  # fmt: skip
+def test_bad_grid_is_one_line_naming_file_and_field(
+    tmp_path: Path, text: str, expected: str
+) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(InputError) as caught:
+        load_grid(path)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert str(path) in message and expected in message
+
+
+def test_missing_grid_file(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="cannot be read"):
+        load_grid(tmp_path / "absent.yaml")
