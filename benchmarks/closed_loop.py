@@ -3,14 +3,17 @@
 An emulated 2-type CPU cluster of 4 ranks (`cpu-emulated-2type`: 2 ranks at normal speed, 2
 whose compute is padded to 2x by sleeping; labelled as emulation everywhere):
 
-1. profile both device types the way they run: four `hexiseq profile` sweeps at once, one
-   thread each (ranks 0-1 at 1x, ranks 2-3 at `--emulation-slowdown 2`), because in the run
-   four single-thread ranks share this machine's cores; the rows of one 1x and one 2x sweep
-   are kept. Links: `hexiseq profile links --nproc 4`, once for the class of the links inside
-   a node (`intra:cpu`) and once for those between nodes (`inter`): on one machine both are
-   gloo over loopback;
+1. profile the device as the run uses it: in the run four single-thread ranks share this
+   machine's cores, so the 1x type is profiled by four `hexiseq profile --threads 1` sweeps
+   at once (all at 1x, so they keep pace and every point is timed with the cores shared
+   four ways), and the rows of one are kept. The emulated 2x type is profiled the way the
+   cluster runs (sweeps 0-1 at 1x, 2-3 at `--emulation-slowdown 2`; one 2x sweep is kept).
+   Links: `hexiseq profile links --nproc 4`, once for the class of the links inside a node
+   (`intra:cpu`) and once for those between nodes (`inter`): on one machine both are gloo
+   over loopback;
 2. fit (`hexiseq fit`): the step simulator then predicts with the fitted model (the 1x fit,
-   times each rank's slowdown; the 2x fit is reported as a check of the emulation);
+   times each rank's slowdown, as for every emulated device; the 2x fit is reported as a
+   check of the emulation);
 3. plan with hexiseq and take the best uniform baseline, both under the fitted model;
 4. run both with the runtime (`hexiseq run`, 4 gloo ranks, FSDP2 states);
 5. report predicted vs measured step time for each and the measured speedup.
@@ -43,30 +46,36 @@ from hexiseq.store import Store
 
 CLUSTER, MODEL = "cpu-emulated-2type", "small"
 GRID = Path(__file__).with_name("closed_loop_grid.yaml")
-SLOWDOWNS = (1.0, 1.0, 2.0, 2.0)  # the cluster's ranks
-KEPT_SWEEPS = (0, 2)  # one 1x and one 2x sweep
+# (slowdown of each of the 4 concurrent sweeps, the sweep whose rows are kept)
+PROFILE_PHASES = (((1.0, 1.0, 1.0, 1.0), 0), ((1.0, 1.0, 2.0, 2.0), 2))
 MACHINE = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
 
 def profile(scratch: Path, store_url: str) -> float:
     """Profile compute (4 concurrent sweeps) and links into `store_url`; returns seconds."""
     began = time.perf_counter()
-    sweeps = []
-    for rank, slowdown in enumerate(SLOWDOWNS):
-        command = [HEXISEQ, "profile", "--device", "cpu", "--grid", str(GRID), "--threads", "1"]
-        command += ["--store", f"sqlite:///{scratch}/sweep{rank}.db"]
-        command += ["--emulation-slowdown", str(slowdown)] if slowdown != 1.0 else []
-        sweeps.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
-    for sweep in sweeps:
-        if sweep.wait() != 0:
-            raise RuntimeError(f"profile sweep failed: exit {sweep.returncode}")
-    for rank in KEPT_SWEEPS:
-        _copy_rows(f"sqlite:///{scratch}/sweep{rank}.db", store_url)
+    for phase, (slowdowns, kept) in enumerate(PROFILE_PHASES):
+        _concurrent_sweeps(scratch / f"phase{phase}", slowdowns)
+        _copy_rows(f"sqlite:///{scratch}/phase{phase}/sweep{kept}.db", store_url)
     for link_class in ("intra:cpu", "inter"):
         command = [HEXISEQ, "profile", "links", "--nproc", "4", "--grid", str(GRID)]
         command += ["--link-class", link_class, "--store", store_url]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return time.perf_counter() - began
+
+
+def _concurrent_sweeps(directory: Path, slowdowns: tuple[float, ...]) -> None:
+    """One single-thread compute sweep per slowdown, all at once, each into its own store."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sweeps = []
+    for rank, slowdown in enumerate(slowdowns):
+        command = [HEXISEQ, "profile", "--device", "cpu", "--grid", str(GRID), "--threads", "1"]
+        command += ["--store", f"sqlite:///{directory}/sweep{rank}.db"]
+        command += ["--emulation-slowdown", str(slowdown)] if slowdown != 1.0 else []
+        sweeps.append(subprocess.Popen(command, stdout=subprocess.DEVNULL))
+    for sweep in sweeps:
+        if sweep.wait() != 0:
+            raise RuntimeError(f"profile sweep failed: exit {sweep.returncode}")
 
 
 def _copy_rows(source_url: str, target_url: str) -> None:

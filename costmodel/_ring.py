@@ -148,13 +148,38 @@ def _attention_times(context: SimContext, pairs: np.ndarray, *, backward: bool) 
     """[rank, step] attention time: the rank's heads over the (query, key) pairs
     `pairs[group, step]` of its group."""
     cost, head_dim = context.cost, context.model.head_dim
+    q_tokens, kv_tokens = _block_shapes(context, pairs)
 
     def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        rank_pairs = pairs[context.group_of[ranks]]
+        groups = context.group_of[ranks]
+        rank_pairs = pairs[groups]
         heads = context.heads[ranks, None]
-        return cost.attention_time_s(gpu, rank_pairs, heads, head_dim, backward=backward)
+        return cost.attention_time_s(
+            gpu,
+            rank_pairs,
+            heads,
+            head_dim,
+            backward=backward,
+            q_tokens=q_tokens[groups],
+            kv_tokens=kv_tokens[groups],
+        )
 
     return per_gpu_type(context, seconds_of, trailing_shape=pairs.shape[1:])
+
+
+def _block_shapes(context: SimContext, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[group, step] query and key tokens of the one kernel call a ring step makes (the
+    runtime's tiles, `runtime/_tiles.py`, for zigzag layouts): at step 0 the group's own block
+    as a causal square (segment x segment, about half of it masked); at the other steps a
+    mask-free rectangle of `pairs` pairs, counted here as the group's queries x pairs / them."""
+    segments = np.array(
+        [context.layout.segment_length(g) for g in range(len(context.layout.groups))],
+        dtype=np.float64,
+    )
+    q_tokens = np.broadcast_to(segments[:, None], pairs.shape).copy()
+    kv_tokens = pairs / np.maximum(q_tokens, 1.0)
+    kv_tokens[:, 0] = segments
+    return q_tokens, kv_tokens
 
 
 def _transfer_times(

@@ -40,7 +40,7 @@ from hexiseq.costmodel._state import (
     make_context,
     per_gpu_type,
 )
-from hexiseq.costmodel._traffic import BF16, FP32
+from hexiseq.costmodel._traffic import FP32
 from hexiseq.costmodel.base import CostModel
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, even_state_fractions
 from hexiseq.flops import head_flops_per_token
@@ -192,21 +192,23 @@ def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
         (hidden, model.ffn_hidden),
         (model.ffn_hidden, hidden),
     )
-    # Bytes read + written by the bandwidth-bound kernels, per token (BF16): RMSNorm (2x hidden
-    # in and out), RoPE on q and k, residual add, second RMSNorm, SwiGLU (gate, up in; out).
-    qkv_bytes = BF16 * (2 * model.hidden + 2 * (model.heads + model.kv_heads) * model.head_dim)
-    after_bytes = BF16 * (3 * model.hidden + 2 * model.hidden + 3 * model.ffn_hidden)
+    # Bytes read + written by the bandwidth-bound kernels, per token (compute dtype): RMSNorm
+    # (2x hidden in and out), RoPE on q and k, residual add, second RMSNorm, SwiGLU (gate, up
+    # in; out).
+    element = context.train.compute_dtype_bytes
+    qkv_bytes = element * (2 * model.hidden + 2 * (model.heads + model.kv_heads) * model.head_dim)
+    after_bytes = element * (3 * model.hidden + 2 * model.hidden + 3 * model.ffn_hidden)
 
     def pre(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
         n = tokens[ranks]
-        gemm_bytes = _gemm_operand_bytes(n, qkv_gemms)
+        gemm_bytes = _gemm_operand_bytes(n, qkv_gemms, element)
         return cost.gemm_time_s(
             gpu, qkv_flops * n, bytes_moved=gemm_bytes, calls=len(qkv_gemms)
         ) + cost.memory_bound_time_s(gpu, qkv_bytes * n, calls=3)  # norm, RoPE q, RoPE k
 
     def post(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
         n = tokens[ranks]
-        gemm_bytes = _gemm_operand_bytes(n, after_gemms)
+        gemm_bytes = _gemm_operand_bytes(n, after_gemms, element)
         return cost.gemm_time_s(
             gpu, after_flops * n, bytes_moved=gemm_bytes, calls=len(after_gemms)
         ) + cost.memory_bound_time_s(gpu, after_bytes * n, calls=3)  # residual, norm, SwiGLU
@@ -214,10 +216,12 @@ def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
     return per_gpu_type(context, pre), per_gpu_type(context, post)
 
 
-def _gemm_operand_bytes(tokens: np.ndarray, shapes: Sequence[tuple[int, int]]) -> np.ndarray:
-    """BF16 bytes read and written by the GEMMs [tokens, k] @ [k, n], one per (k, n) of
-    `shapes`: (m·k + k·n + m·n) elements each, m = tokens."""
-    return BF16 * sum(tokens * k + k * n + tokens * n for k, n in shapes)
+def _gemm_operand_bytes(
+    tokens: np.ndarray, shapes: Sequence[tuple[int, int]], element_bytes: int
+) -> np.ndarray:
+    """Bytes read and written by the GEMMs [tokens, k] @ [k, n], one per (k, n) of `shapes`:
+    (m·k + k·n + m·n) elements of the compute dtype each, m = tokens."""
+    return element_bytes * sum(tokens * k + k * n + tokens * n for k, n in shapes)
 
 
 def _add_sharding_exposure(
@@ -227,9 +231,10 @@ def _add_sharding_exposure(
     forward_s: float,
     backward_s: float,
 ) -> None:
-    """FSDP gathers each layer's BF16 weights (forward, and again for recompute + backward) and
-    reduce-scatters its BF16 gradients; these overlap the neighbouring layer's compute."""
-    layer_bytes = context.model.params_per_layer * BF16
+    """FSDP gathers each layer's weights in the compute dtype (forward, and again for recompute
+    + backward) and reduce-scatters its gradients; these overlap the neighbouring layer's
+    compute."""
+    layer_bytes = context.model.params_per_layer * context.train.compute_dtype_bytes
     gather_s = _domain_collective_time(context, layer_bytes, fractions)
     forward_exposed = max(0.0, gather_s - forward_s)
     backward_exposed = max(0.0, 2.0 * gather_s - backward_s)
@@ -260,7 +265,9 @@ def _head_and_loss(context: SimContext) -> Ledger:
         tokens = context.tokens[ranks]
         logits_bytes = 3 * tokens * model.vocab * FP32
         # Forward, input gradient and weight gradient: three GEMMs of the same size and bytes.
-        gemm_bytes = _gemm_operand_bytes(tokens, ((model.hidden, model.vocab),))
+        gemm_bytes = _gemm_operand_bytes(
+            tokens, ((model.hidden, model.vocab),), context.train.compute_dtype_bytes
+        )
         return 3.0 * cost.gemm_time_s(
             gpu, flops * tokens, bytes_moved=gemm_bytes, calls=1
         ) + cost.memory_bound_time_s(gpu, logits_bytes, calls=3)  # logits written, read twice

@@ -73,10 +73,11 @@ def plan_search(
     allows (baselines too); True or False forces it.
     """
     _check_options(time_budget_s, n_trials, workers, storage)
+    cluster_spec = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
     problem = Problem(
-        cluster=cluster if isinstance(cluster, Cluster) else Cluster.load(cluster),
+        cluster=cluster_spec,
         model=model if isinstance(model, ModelSpec) else ModelSpec.preset(model),
-        train=TrainSpec(seq_len=parse_seq_len(seq_len)),
+        train=_train_spec(cluster_spec, parse_seq_len(seq_len)),
         cost=cost_model or DatasheetCostModel(),
         checkpointing_options=_checkpointing_options(activation_checkpointing),
     )
@@ -102,6 +103,13 @@ def plan_search(
         )
     best = max(feasible, key=lambda plan: plan.predicted.tokens_per_s)
     return SearchResult(best, baselines, trials, outcome.pareto, outcome.study_name)
+
+
+def _train_spec(cluster: Cluster, seq_len: int) -> TrainSpec:
+    """BF16 compute on GPUs; FP32 on an all-CPU (test or emulated) cluster, as the runtime
+    computes there, so the simulator counts the bytes the runtime moves."""
+    all_cpu = all(device.gpu == "cpu" for device in cluster.devices)
+    return TrainSpec(seq_len=seq_len, compute_dtype_bytes=4 if all_cpu else 2)
 
 
 def _checkpointing_options(activation_checkpointing: bool | None) -> tuple[bool, ...]:
