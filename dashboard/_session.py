@@ -200,23 +200,4 @@ def add_upload(name: str, text: str) -> str | None:
 def save_result(result) -> int:
     """Save a search result as `hexiseq plan` does: the best plan, then the feasible baselines,
     in one transaction. Returns the best plan's id."""
-    target = store()
-    with target.transaction():
-        best_id = _save_plan(target, result.best, BEST_LABEL)
-        for name, baseline in result.baselines.items():
-            if isinstance(baseline, Plan):
-                _save_plan(target, baseline, name)
-    return best_id
-
-
-def _save_plan(target: Store, plan: Plan, label: str) -> int:
-    return target.save_plan(
-        plan.to_json_text(),
-        label=label,
-        cluster_name=plan.cluster.name,
-        model_name=plan.model.name,
-        seq_len=plan.train.seq_len,
-        tokens_per_s=plan.predicted.tokens_per_s,
-        step_time_s=plan.predicted.step_time_s,
-        cost_model=plan.cost_model_summary,
-    )
+    return store().save_search_result(result.best, result.baselines, BEST_LABEL)

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hexiseq._cli_types import positive_int
 from hexiseq.errors import InputError
 from hexiseq.store import DEFAULT_STORE_URL
 
@@ -41,7 +42,7 @@ def add_profile_parser(commands) -> None:
     )
     profile.add_argument(
         "--threads",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="N",
         help="torch.set_num_threads(N) for the sweep (default: torch's own choice)",
@@ -61,7 +62,7 @@ def _add_links_parser(targets) -> None:
     )
     _add_shared_options(links, argparse_defaults=False)
     links.add_argument(
-        "--nproc", type=_positive_int, required=True, metavar="N", help="ranks (at least 2)"
+        "--nproc", type=positive_int, required=True, metavar="N", help="ranks (at least 2)"
     )
     links.add_argument(
         "--link-class",
@@ -252,14 +253,4 @@ def _slowdown(text: str) -> float:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
     if not value >= 1.0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 1 (got {text})")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
     return value

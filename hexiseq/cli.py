@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from hexiseq._cli_dashboard import add_dashboard_parser, run_dashboard
 from hexiseq._cli_fit import add_cost_model_argument, add_fit_parser, plan_cost_model, run_fit
 from hexiseq._cli_profile import add_profile_parser, run_profile
+from hexiseq._cli_types import positive_float, positive_int
 from hexiseq.cluster import cluster_presets
 from hexiseq.errors import HexiseqError
 from hexiseq.model import model_presets
@@ -60,13 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--no-store", action="store_true", help="do not save the plans")
     plan.add_argument(
         "--time-budget",
-        type=_positive_float,
+        type=positive_float,
         metavar="SECONDS",
         help="let the Optuna layer search this long beyond the greedy candidates",
     )
     plan.add_argument(
         "--trials",
-        type=_positive_int,
+        type=positive_int,
         metavar="N",
         help="trials in this run, a new study's greedy short list included (deterministic "
         "for a given --seed)",
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plan.add_argument(
         "--workers",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="N",
         help="processes searching one study (needs --storage; default 1)",
@@ -115,7 +116,7 @@ def _add_run_parser(commands) -> None:
         "hexiseq.runtime.train: measured step time and peak memory per rank go to the store.",
     )
     run.add_argument("--plan", required=True, metavar="PATH", help="plan JSON file")
-    run.add_argument("--steps", type=_positive_int, default=5, metavar="K", help="steps (5)")
+    run.add_argument("--steps", type=positive_int, default=5, metavar="K", help="steps (5)")
     run.add_argument(
         "--store",
         default=DEFAULT_STORE_URL,
@@ -137,26 +138,6 @@ def _add_run_parser(commands) -> None:
         help="fsdp2 (default): parameters, gradients and AdamW states sharded over the ranks, "
         "as the memory model counts them; replicated: all on every rank, gradients all-reduced",
     )
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive (got {text})")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
-    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -213,7 +194,7 @@ def _plan(args: argparse.Namespace) -> int:
         _write_plan(result.best, args.out)
         print(f"\nplan written to {args.out}")
     if store is not None:
-        plan_id = _save(store, result)
+        plan_id = store.save_search_result(result.best, result.baselines)
         print(f"saved to {store.url} as plan {plan_id} (baselines beside it)")
         store.close()
     return 0
@@ -271,31 +252,6 @@ def _write_plan(plan, path: str) -> None:
         plan.to_json(path)
     except OSError as exc:
         raise InputError(f"--out {path}: cannot write ({exc.strerror or exc})") from None
-
-
-def _save(store, result) -> int:
-    """The best plan and the feasible baselines, in one transaction."""
-    from hexiseq.plan import Plan
-
-    with store.transaction():
-        best_id = _save_one(store, result.best, "best")
-        for name, baseline in result.baselines.items():
-            if isinstance(baseline, Plan):
-                _save_one(store, baseline, name)
-    return best_id
-
-
-def _save_one(store, plan, label: str) -> int:
-    return store.save_plan(
-        plan.to_json_text(),
-        label=label,
-        cluster_name=plan.cluster.name,
-        model_name=plan.model.name,
-        seq_len=plan.train.seq_len,
-        tokens_per_s=plan.predicted.tokens_per_s,
-        step_time_s=plan.predicted.step_time_s,
-        cost_model=plan.cost_model_summary,
-    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -41,6 +41,7 @@ from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLA
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
 from hexiseq.errors import InputError
+from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.profiles import (
     COMPUTE_OPS,
     LINK_OPS,
@@ -395,6 +396,31 @@ class Store:
             session.add(row)
             session.flush()  # assigns the id
             return row.id
+
+    def save_search_result(
+        self, best: Plan, baselines: Mapping[str, Plan | InfeasiblePlan], best_label: str = "best"
+    ) -> int:
+        """Save a search's best plan (labelled `best_label`), then each feasible baseline
+        (labelled by its name), in one transaction; returns the best plan's id."""
+        with self.transaction():
+            best_id = self.save_plan_object(best, best_label)
+            for name, baseline in baselines.items():
+                if isinstance(baseline, Plan):
+                    self.save_plan_object(baseline, name)
+        return best_id
+
+    def save_plan_object(self, plan: Plan, label: str) -> int:
+        """`save_plan` of a `Plan`, its summary columns taken from the plan itself."""
+        return self.save_plan(
+            plan.to_json_text(),
+            label=label,
+            cluster_name=plan.cluster.name,
+            model_name=plan.model.name,
+            seq_len=plan.train.seq_len,
+            tokens_per_s=plan.predicted.tokens_per_s,
+            step_time_s=plan.predicted.step_time_s,
+            cost_model=plan.cost_model_summary,
+        )
 
     def list_plans(self, limit: int | None = None) -> list[PlanRecord]:
         """Summaries of saved plans, newest first; at most `limit` of them when given.
