@@ -148,3 +148,33 @@ def test_backward_dkv_routes_keeper_to_keeper_with_folds():
     kv = ring_senders(layout)
     assert list(kv.kv_heads_in) == [2, 1, 2, 1]  # forward K/V reach every holder
     assert list(kv.heads_out) == [3, 0, 3, 0]  # keeper sends head 1 to both next holders
+
+
+class _RecordingCost(DatasheetCostModel):
+    """The datasheet model, keeping the block shapes the simulator asks attention times for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        object.__setattr__(self, "calls", [])
+
+    def attention_time_s(self, gpu, pairs, heads, head_dim, *, backward, **shape):
+        self.calls.append((pairs, shape["q_tokens"], shape["kv_tokens"]))
+        return super().attention_time_s(gpu, pairs, heads, head_dim, backward=backward)
+
+
+def test_ring_steps_pass_the_runtime_block_shapes():
+    """Step 0 is the own block, a causal square of the segment; the other steps are one
+    mask-free rectangle: queries x keys = pairs (runtime/_tiles.py for zigzag layouts)."""
+    cluster = Cluster.preset("cpu-emulated-2type")
+    model = ModelSpec.preset("tiny")
+    segments = [3072, 2048, 2048, 1024]
+    layout = build_zigzag_layout(
+        sum(segments), 8, 2, [[0], [1], [2], [3]], segments, [[1]] * 4, [[8]] * 4
+    )
+    cost = _RecordingCost()
+    simulate_step(cluster, model, TrainSpec(seq_len=sum(segments)), layout, cost)
+    assert len(cost.calls) == 2  # forward and backward tables
+    for pairs, q_tokens, kv_tokens in cost.calls:
+        assert list(q_tokens[:, 0]) == segments and list(kv_tokens[:, 0]) == segments
+        assert (pairs[:, 0] == [s * (s + 1) // 2 for s in segments]).all()
+        assert abs(q_tokens[:, 1:] * kv_tokens[:, 1:] - pairs[:, 1:]).max() < 1e-6
