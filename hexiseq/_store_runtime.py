@@ -1,0 +1,190 @@
+"""The store's runtime tables: runs of a plan by `hexiseq.runtime.train` and each rank's
+measured steps (`Store` gets these methods from `RuntimeTables`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Text, select
+from sqlalchemy.orm import Mapped, mapped_column
+
+from hexiseq._store_base import StoreBase, check_optional_metric, check_plan_fields, utc_now
+from hexiseq.errors import InputError
+
+
+class RuntimeRunRow(StoreBase):
+    """One run of a plan by the runtime (`hexiseq.runtime.train`): what ran, where, how."""
+
+    __tablename__ = "runtime_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utc_now)
+    plan_hash: Mapped[str] = mapped_column(String)
+    """SHA-256 of the plan's JSON text as run: ties measurements to the exact plan."""
+    plan_id: Mapped[int | None] = mapped_column(Integer)
+    """The id of the same plan in the `plans` table, when it is there."""
+    plan_name: Mapped[str] = mapped_column(String)
+    model_name: Mapped[str] = mapped_column(String)
+    seq_len: Mapped[int]
+    world_size: Mapped[int]
+    steps: Mapped[int]
+    backend: Mapped[str] = mapped_column(String)
+    device: Mapped[str] = mapped_column(String)
+    dtype: Mapped[str] = mapped_column(String)
+    emulation: Mapped[bool] = mapped_column(Boolean)
+    """True when some rank's speed was emulated (`emulation_slowdown`), not real hardware."""
+    torch_version: Mapped[str] = mapped_column(String)
+    plan_json: Mapped[str] = mapped_column(Text)
+
+
+class RuntimeMeasurementRow(StoreBase):
+    """One rank's measurements of one training step of a runtime run."""
+
+    __tablename__ = "runtime_measurements"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runtime_runs.id"), index=True)
+    rank: Mapped[int]
+    step: Mapped[int]
+    step_time_s: Mapped[float] = mapped_column(Float)
+    rank_time_s: Mapped[float] = mapped_column(Float)
+    peak_memory_bytes: Mapped[int]
+    memory_measure: Mapped[str] = mapped_column(String)
+    """"cuda_max_allocated" (per step) or "cpu_max_rss" (process lifetime peak)."""
+    device: Mapped[str] = mapped_column(String)
+    loss: Mapped[float] = mapped_column(Float)
+    emulation_slowdown: Mapped[float] = mapped_column(Float)
+    emulation_label: Mapped[str] = mapped_column(String)
+    """"none", or e.g. "emulated 2x (compute padded by sleeping)"."""
+
+
+MEMORY_MEASURES = ("cuda_max_allocated", "cpu_max_rss")
+_MEASUREMENT_FIELDS = (
+    "rank",
+    "step",
+    "step_time_s",
+    "rank_time_s",
+    "peak_memory_bytes",
+    "memory_measure",
+    "device",
+    "loss",
+    "emulation_slowdown",
+    "emulation_label",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeMeasurement:
+    """One rank, one step of a runtime run (see `RuntimeMeasurementRow`)."""
+
+    rank: int
+    step: int
+    step_time_s: float
+    """Barrier to barrier: the step as the whole domain sees it (same on every rank)."""
+    rank_time_s: float
+    """From the opening barrier until this rank's own optimizer step ended."""
+    peak_memory_bytes: int
+    memory_measure: str
+    device: str
+    loss: float
+    emulation_slowdown: float
+    emulation_label: str
+
+
+class RuntimeTables:
+    """`Store` methods of the runtime tables (they use its `_session` and `_display_url`)."""
+
+    def save_runtime_run(
+        self,
+        plan_json: str,
+        *,
+        plan_hash: str,
+        plan_name: str,
+        model_name: str,
+        seq_len: int,
+        world_size: int,
+        steps: int,
+        backend: str,
+        device: str,
+        dtype: str,
+        emulation: bool,
+        torch_version: str,
+        plan_id: int | None = None,
+    ) -> int:
+        """Record the start of a runtime run of a plan; returns the run id."""
+        check_plan_fields(plan_json, plan_name, "-", model_name, seq_len, backend)
+        row = RuntimeRunRow(
+            plan_hash=plan_hash,
+            plan_id=plan_id,
+            plan_name=plan_name,
+            model_name=model_name,
+            seq_len=seq_len,
+            world_size=world_size,
+            steps=steps,
+            backend=backend,
+            device=device,
+            dtype=dtype,
+            emulation=bool(emulation),
+            torch_version=torch_version,
+            plan_json=plan_json,
+        )
+        with self._session() as session:
+            session.add(row)
+            session.flush()
+            return row.id
+
+    def add_runtime_measurements(
+        self, run_id: int, measurements: list[RuntimeMeasurement]
+    ) -> None:
+        """Append measurements to run `run_id`, all in one transaction.
+
+        Raises InputError for an unknown run, an unknown memory measure or a time or memory
+        that is negative, NaN or infinite.
+        """
+        for measurement in measurements:
+            _check_measurement(measurement)
+        with self._session() as session:
+            if session.get(RuntimeRunRow, run_id) is None:
+                raise InputError(f"store {self._display_url} has no runtime run {run_id}")
+            session.add_all(
+                RuntimeMeasurementRow(
+                    run_id=run_id, **{f: getattr(m, f) for f in _MEASUREMENT_FIELDS}
+                )
+                for m in measurements
+            )
+
+    def list_runtime_runs(self, plan_hash: str | None = None) -> list[dict[str, object]]:
+        """Runtime runs, newest first (all columns but the plan JSON), optionally of one plan."""
+        query = select(RuntimeRunRow).order_by(RuntimeRunRow.id.desc())
+        if plan_hash is not None:
+            query = query.where(RuntimeRunRow.plan_hash == plan_hash)
+        columns = [c.name for c in RuntimeRunRow.__table__.columns if c.name != "plan_json"]
+        with self._session() as session:
+            return [{c: getattr(row, c) for c in columns} for row in session.scalars(query)]
+
+    def runtime_measurements(self, run_id: int) -> list[RuntimeMeasurement]:
+        """The measurements of run `run_id`, by step then rank."""
+        query = (
+            select(RuntimeMeasurementRow)
+            .where(RuntimeMeasurementRow.run_id == run_id)
+            .order_by(RuntimeMeasurementRow.step, RuntimeMeasurementRow.rank)
+        )
+        with self._session() as session:
+            return [
+                RuntimeMeasurement(**{f: getattr(row, f) for f in _MEASUREMENT_FIELDS})
+                for row in session.scalars(query)
+            ]
+
+
+def _check_measurement(measurement: RuntimeMeasurement) -> None:
+    if measurement.memory_measure not in MEMORY_MEASURES:
+        raise InputError(
+            f"memory_measure {measurement.memory_measure!r} is not one of "
+            f"{', '.join(MEMORY_MEASURES)}"
+        )
+    for field_name in ("step_time_s", "rank_time_s", "peak_memory_bytes", "loss"):
+        value = getattr(measurement, field_name)
+        check_optional_metric(field_name, value)
+        if value is None:
+            raise InputError(f"{field_name} must be a number, got None")
