@@ -1,9 +1,14 @@
 """Optuna layer: samples the global choices and scores each with greedy -> MILP -> simulator.
 
 The greedy default is enqueued as the first trial, so a search never returns worse than the
-hierarchy alone. Seeded TPE sampling makes a run deterministic for a fixed number of trials
-(a time budget that cuts a run short trades that for time). A storage URL (SQLite, PostgreSQL)
-keeps the study, lets several worker processes search it together, and lets a later run go on
+hierarchy alone. Every search ends with a *polish*: a deterministic local search from the
+best trial that changes one choice at a time (one GPU type's HP degree, the ring order, the
+chunk quantum, checkpointing) and moves while a neighbour is faster, within an evaluation cap
+that shrinks with the cluster (`polish_evaluations`) so the default search keeps its time
+goal. The polish scores plans outside the study (it records no trials), so a trial count stays
+exact. Seeded TPE sampling makes a run deterministic for a fixed number of trials (a time
+budget that cuts a run short trades that for time). A storage URL (SQLite, PostgreSQL) keeps
+the study, lets several worker processes search it together, and lets a later run go on
 where an earlier one stopped. With `multi_objective` the study trades throughput against the
 fullest device's memory headroom and returns the Pareto front.
 """
@@ -14,7 +19,7 @@ import logging
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import optuna
 
@@ -31,6 +36,17 @@ from hexiseq.search.greedy import (
 from hexiseq.search.hierarchy import plan_for_choices
 
 INFEASIBLE_SCORE = 0.0
+POLISH_MAX_EVALUATIONS = 64
+POLISH_WORLD_LIMIT = 96
+POLISH_STARTS = 3
+"""The polish tries at most POLISH_MAX_EVALUATIONS neighbours, fewer as the cluster grows,
+none from POLISH_WORLD_LIMIT devices up: there one evaluation costs ~50 ms and the default
+search must stay within 0.5 s at 128 GPUs (benchmarks/planner_scaling.py)."""
+
+
+def polish_evaluations(world_size: int) -> int:
+    """How many neighbours the polish may score on a cluster of `world_size` devices."""
+    return max(0, min(POLISH_MAX_EVALUATIONS, POLISH_WORLD_LIMIT - world_size))
 
 
 @dataclass
@@ -140,19 +156,80 @@ def run_study(
         # Scored here, before any worker starts: workers sharing a SQLite study could both
         # take the same enqueued trial.
         scored_here = _score_greedy(study, objective)
-    if n_trials is None and time_budget_s is None:
-        return _outcome(study, objective, multi_objective)
     remaining = None if n_trials is None else n_trials - scored_here
     budget = None if time_budget_s is None else time_budget_s - (time.perf_counter() - started)
-    if (remaining is not None and remaining <= 0) or (budget is not None and budget <= 0):
-        return _outcome(study, objective, multi_objective)
-    if workers > 1:
-        _run_workers(problem, storage, name, seed, multi_objective, workers, remaining, budget)
-    else:
-        study.optimize(
-            objective, n_trials=remaining, timeout=budget, show_progress_bar=show_progress
-        )
-    return _outcome(study, objective, multi_objective)
+    searching = n_trials is not None or time_budget_s is not None
+    no_room = (remaining is not None and remaining <= 0) or (budget is not None and budget <= 0)
+    if searching and not no_room:
+        if workers > 1:
+            _run_workers(problem, storage, name, seed, multi_objective, workers, remaining, budget)
+        else:
+            study.optimize(
+                objective, n_trials=remaining, timeout=budget, show_progress_bar=show_progress
+            )
+    polished = []
+    if not multi_objective:
+        deadline = None if time_budget_s is None else started + time_budget_s
+        evaluations = polish_evaluations(problem.cluster.world_size)
+        polished = _polish(study, objective, evaluations, deadline)
+    return _outcome(study, objective, multi_objective, polished)
+
+
+def _polish(
+    study, objective: _Objective, evaluations: int, deadline: float | None
+) -> list[tuple[dict, Plan | InfeasiblePlan]]:
+    """Local search from the best trials: from each start (the best trial first, then the
+    next best, up to POLISH_STARTS), score every one-choice neighbour not scored yet (in a
+    fixed order), move to the fastest while it beats the current plan; stop after
+    `evaluations` neighbours in all or at `deadline` (perf_counter seconds). Returns the
+    (params, plan) it scored."""
+    scored: list[tuple[dict, Plan | InfeasiblePlan]] = []
+    for trial in _best_feasible(study, POLISH_STARTS):
+        current = choices_from_params(objective.problem, trial.params)
+        score = trial.values[0]
+        while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
+            fresh = [c for c in _neighbours(objective, current) if c.key() not in objective.cache]
+            batch = fresh[:evaluations]
+            if not batch:
+                break
+            evaluations -= len(batch)
+            plans = [objective.plan(choices) for choices in batch]
+            scored += [(params_of(c, objective.quanta[0]), p) for c, p in zip(batch, plans)]
+            speeds = [_throughput(plan) for plan in plans]
+            top = max(range(len(batch)), key=speeds.__getitem__)
+            if speeds[top] <= score:
+                break
+            current, score = batch[top], speeds[top]
+    return scored
+
+
+def _throughput(plan: Plan | InfeasiblePlan) -> float:
+    return plan.predicted.tokens_per_s if isinstance(plan, Plan) else INFEASIBLE_SCORE
+
+
+def _neighbours(objective: _Objective, choices: GlobalChoices) -> list[GlobalChoices]:
+    """Every choice set that differs from `choices` in one decision: the cheap knobs first
+    (checkpointing, quantum, ring order), then each GPU type's HP degree."""
+    problem = objective.problem
+    found = []
+    for checkpointing in problem.checkpointing_options:
+        found.append(replace(choices, activation_checkpointing=checkpointing))
+    found += [replace(choices, chunk_quantum=q) for q in objective.quanta]
+    found += [replace(choices, ring_order=order) for order in RING_ORDERS]
+    for gpu in problem.cluster.gpu_types:
+        for degree in candidate_hp_degrees(problem.cluster, problem.model, gpu):
+            found.append(replace(choices, hp_degrees={**choices.hp_degrees, gpu: degree}))
+    unique = {c.key(): c for c in found if c.key() != choices.key()}
+    return list(unique.values())
+
+
+def _best_feasible(study, count: int) -> list:
+    """The `count` fastest feasible trials with distinct choices, fastest first."""
+    done = [t for t in study.trials if t.values and t.values[0] > INFEASIBLE_SCORE]
+    distinct = {}
+    for trial in sorted(done, key=lambda t: -t.values[0]):
+        distinct.setdefault(tuple(sorted(trial.params.items())), trial)
+    return list(distinct.values())[:count]
 
 
 def _score_greedy(study, objective: _Objective) -> int:
@@ -195,12 +272,18 @@ def _default_study_name(problem: Problem, multi_objective: bool) -> str:
     return f"{problem.cluster.name}/{problem.model.name}/{problem.train.seq_len}/{kind}"
 
 
-def _outcome(study, objective: _Objective, multi_objective: bool) -> StudyOutcome:
+def _outcome(
+    study,
+    objective: _Objective,
+    multi_objective: bool,
+    polished: list[tuple[dict, Plan | InfeasiblePlan]] = (),
+) -> StudyOutcome:
     plans = []
     for trial in study.trials:
         if trial.state == optuna.trial.TrialState.COMPLETE:
             choices = choices_from_params(objective.problem, trial.params)
             plans.append((trial.params, objective.plan(choices)))
+    plans += polished
     feasible = [plan for _, plan in plans if isinstance(plan, Plan)]
     best = max(feasible, key=lambda p: p.predicted.tokens_per_s) if feasible else None
     pareto = []
