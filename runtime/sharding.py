@@ -19,18 +19,23 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from hexiseq.runtime.model import LlamaModel
 
 STATE_SHARDING = ("fsdp2", "replicated")
 
 
-def shard_model_states(model: LlamaModel) -> None:
-    """Shard `model` in place: one FSDP2 unit per decoder block, the rest in the root."""
+def shard_model_states(model: LlamaModel, compute_dtype: torch.dtype | None = None) -> None:
+    """Shard `model` in place: one FSDP2 unit per decoder block, the rest in the root.
+
+    With a `compute_dtype` (bf16 training) the weights are gathered in it and gradients
+    reduced in fp32, so the gathers move the compute dtype's bytes, as the simulator counts."""
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    options = {} if compute_dtype is None else {"mp_policy": policy}
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, **options)
+    fully_shard(model, **options)
 
 
 def gradient_scale(state_sharding: str) -> float:

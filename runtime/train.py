@@ -191,7 +191,7 @@ def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
     )
     sharded = options.state_sharding == "fsdp2" and context.world_size > 1
     if sharded:
-        shard_model_states(model)
+        shard_model_states(model, context.autocast_dtype)
         note = uneven_state_note([a.state_fraction for a in plan.assignments])
         if note and context.rank == 0:
             print(f"hexiseq.runtime.train: note: {note}", flush=True)
