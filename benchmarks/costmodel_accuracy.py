@@ -7,9 +7,18 @@ relative error, the leave-one-device-type-out error, and the spread of the measu
 themselves (median over points of (p90 - p10) / median), which bounds what any model of the
 median can reach. Goals: extrapolation MAPE <= 5 % for compute ops, <= 10 % for links.
 
-Run: `.venv/bin/python benchmarks/costmodel_accuracy.py --store sqlite:///hexiseq.db` after
-`hexiseq profile --device cpu --quick` (and `hexiseq profile links`); prints the table and
-updates the "Cost-model accuracy" section of benchmarks/RESULTS.md (`--no-write`: print only).
+Run, into a fresh store, with the benchmark grid (its ladders reach past the CPU's caches, so
+the training two thirds already hold out-of-cache sizes):
+
+    .venv/bin/hexiseq profile --device cpu --grid benchmarks/grids/costmodel_cpu.yaml \
+        --threads 1 --store sqlite:///bench.db
+    .venv/bin/hexiseq profile links --nproc 2 --grid benchmarks/grids/costmodel_cpu.yaml \
+        --store sqlite:///bench.db
+    .venv/bin/python benchmarks/costmodel_accuracy.py --store sqlite:///bench.db \
+        --profiled-by "<each profile command above>"
+
+It prints the table and updates the "Cost-model accuracy" section of benchmarks/RESULTS.md
+(`--no-write`: print only); `--profiled-by` (repeatable) records the profile commands there.
 """
 
 from __future__ import annotations
@@ -36,6 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store", default=DEFAULT_STORE_URL, metavar="URL")
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
+    parser.add_argument(
+        "--profiled-by",
+        action="append",
+        default=[],
+        metavar="COMMAND",
+        help="a command that profiled the store, recorded in RESULTS.md (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         with Store.open(args.store) as store:
@@ -49,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = markdown_rows(document, spreads)
     print("\n" + reading(document, spreads))
     if not args.no_write:
-        replace_section(SECTION, section(document, sources, rows, spreads, argv, args.store))
+        text = section(document, sources, rows, spreads, argv, args.store, args.profiled_by)
+        replace_section(SECTION, text)
     return 0
 
 
@@ -126,7 +143,8 @@ def reading(document: FittedDocument, spreads: dict[tuple, float]) -> str:
             f" In {len(slower)} of {len(fits)} fits ({names}) the largest third is "
             "systematically slower than the fit on the smaller sizes predicts (bias below "
             "-5 %): the cost per FLOP or per byte grows beyond the training sizes (on a CPU, "
-            "working sets that leave the caches), which no fit on smaller sizes can see."
+            "working sets that leave the caches: the fit's cache terms see that only where "
+            "the training sizes already reach beyond a cache)."
         )
     if noisy:
         text += (
@@ -149,6 +167,33 @@ def _emulation_lines(document: FittedDocument) -> list[str]:
     return [*lines, ""] if lines else []
 
 
+def _hardware_lines(document: FittedDocument, sources: list[ProfileSource]) -> list[str]:
+    """The cache capacities each 1x fit used (hardware's, or effective ones the fit found)
+    and the attention kernel whose tiles the masked FLOPs and K/V reads follow."""
+    hardware = {
+        (m.extra.get("l2_bytes"), m.extra.get("llc_bytes"))
+        for s in sources
+        for m in s.measurements
+        if "llc_bytes" in m.extra
+    }
+    lines = []
+    for fit in document.ops:
+        if fit.emulation_slowdown != 1.0 or (fit.cache_bytes is None and not fit.attention_kernel):
+            continue
+        what = f"kernel {fit.attention_kernel}" if fit.attention_kernel else ""
+        if fit.cache_bytes is not None and fit.op in ("gemm", "elementwise"):
+            l2, llc = (f"{value / 1024**2:.3g} MiB" for value in fit.cache_bytes)
+            what = f"cache terms at L2 {l2}, last level {llc}"
+        lines.append(f"- {fit.device_type} {fit.op}: {what}")
+    if not lines:
+        return []
+    sizes = "; ".join(
+        f"L2 {a / 1024**2:g} MiB, last level {b / 1024**2:g} MiB" for a, b in hardware
+    )
+    return [f"Hardware terms (caches read by the profiler: {sizes or 'none recorded'}):", "",
+            *lines, ""]  # fmt: skip
+
+
 def _describe_run(source: ProfileSource) -> str:
     """ "3 (2026-11-22 05:52, grid quick, 1 thread(s), links, emulated 2x)"."""
     extras = [m.extra for m in source.measurements]
@@ -164,7 +209,13 @@ def _describe_run(source: ProfileSource) -> str:
     return f"{source.run_id} ({', '.join(parts)})"
 
 
-def section(document, sources, rows, spreads, argv, store_url) -> str:
+def _profile_command_lines(commands) -> list[str]:
+    if not commands:
+        return []
+    return ["", "Profiled with:", "", *(f"- `{command}`" for command in commands)]
+
+
+def section(document, sources, rows, spreads, argv, store_url, profiled_by=()) -> str:
     command = shlex.join([".venv/bin/python", "benchmarks/costmodel_accuracy.py", *(argv or [])])
     machine = (
         f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"
@@ -189,8 +240,10 @@ def section(document, sources, rows, spreads, argv, store_url) -> str:
             *rows,
             "",
             *_emulation_lines(document),
+            *_hardware_lines(document, sources),
             f"Profile runs {runs}, on {', '.join(devices)}; store `{store_url}`. "
             f"Produced by `{command}` on {machine}.",
+            *_profile_command_lines(profiled_by),
             "",
             "**Reading.** " + reading(document, spreads),
         ]

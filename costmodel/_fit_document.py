@@ -13,12 +13,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hexiseq._yaml import format_validation_error
-from hexiseq.costmodel._features import OP_FEATURES
+from hexiseq.costmodel._features import LEGACY_OP_FEATURES, OP_FEATURES
 from hexiseq.errors import InputError
 from hexiseq.profiles import COMPUTE_OPS, LINK_OPS
 
 DOCUMENT_FORMAT = "hexiseq.fitted_cost_model"
-DOCUMENT_SCHEMA_VERSION = 1
+DOCUMENT_SCHEMA_VERSION = 2
+"""2 added the cache terms (gemm, elementwise), `cache_bytes` and `attention_kernel`;
+version 1 documents are still read, their fits upgraded to today's features (cache terms 0)."""
 
 
 class _Strict(BaseModel):
@@ -77,14 +79,20 @@ class OpFit(_Strict):
     source_runs: tuple[int, ...] = ()
     heldout: HeldOut
     emulation_check: EmulationCheck | None = None
+    cache_bytes: tuple[float, float] | None = None
+    """(L2, last-level cache) capacity in bytes that the cache terms use: the profiled
+    device's as the profiler read them, or the smaller effective ones the fit found in the
+    points (`fit_effective_capacity`); None: unknown, cache terms 0."""
+    attention_kernel: str | None = None
+    """The attention kernel profiled (e.g. `cpu_flash`): its tiles decide the masked FLOPs."""
 
     @model_validator(mode="after")
     def _features_match_op(self) -> OpFit:
         expected = OP_FEATURES[self.op]
         if self.features != expected:
             raise ValueError(f"features of {self.op} must be {list(expected)}")
-        if len(self.coefficients) != len(expected) or min(self.coefficients) < 0:
-            raise ValueError(f"needs {len(expected)} coefficients, all >= 0")
+        if len(self.coefficients) != len(self.features) or min(self.coefficients) < 0:
+            raise ValueError(f"needs {len(self.features)} coefficients, all >= 0")
         return self
 
 
@@ -137,7 +145,7 @@ class FittedDocument(_Strict):
     """The whole fit session: every fit, where the points came from, what was skipped."""
 
     format: Literal["hexiseq.fitted_cost_model"] = DOCUMENT_FORMAT
-    schema_version: Literal[1] = DOCUMENT_SCHEMA_VERSION
+    schema_version: Literal[1, 2] = DOCUMENT_SCHEMA_VERSION
     created_at: str
     versions: dict[str, str]
     loss: str
@@ -156,9 +164,31 @@ def parse_fitted_document(text: str, source: str = "fitted model") -> FittedDocu
     if not isinstance(raw, dict) or raw.get("format") != DOCUMENT_FORMAT:
         raise InputError(f"{source}: not a hexiseq fitted cost model (format {DOCUMENT_FORMAT})")
     try:
-        return FittedDocument.model_validate(raw)
+        return FittedDocument.model_validate(_upgraded(raw))
     except ValidationError as error:
         raise InputError(format_validation_error(error, source)) from None
+
+
+def _upgraded(raw: dict) -> dict:
+    """A schema-1 document with its gemm / elementwise fits in today's features: the cache
+    terms appended with coefficient 0 (no capacities known), so it predicts as it did and
+    every reader sees one feature list per op."""
+    if raw.get("schema_version") != 1 or not isinstance(raw.get("ops"), list):
+        return raw
+    ops = []
+    for fit in raw["ops"]:
+        legacy = LEGACY_OP_FEATURES.get(fit.get("op")) if isinstance(fit, dict) else None
+        if legacy is not None and tuple(fit.get("features", ())) == legacy:
+            added = len(OP_FEATURES[fit["op"]]) - len(legacy)
+            fit = {**fit, "features": list(OP_FEATURES[fit["op"]])}
+            fit["coefficients"] = [*_raw_list(fit.get("coefficients")), *[0.0] * added]
+        ops.append(fit)
+    return {**raw, "ops": ops}
+
+
+def _raw_list(value) -> list:
+    """`value` as a list (a malformed one is left for validation to name)."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def dump_fitted_document(document: FittedDocument) -> str:

@@ -43,6 +43,58 @@ def fit_relative_nnls(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return np.maximum(model.coef_, 0.0) / scale
 
 
+CAPACITY_GAIN = 0.75
+"""Cache capacities other than the hardware's are kept only when they bring the mean
+relative error of the fit below this fraction of the error with the hardware's."""
+CAPACITY_CANDIDATES = 24
+"""Log-spaced last-level capacities tried for each L2 capacity."""
+
+
+def fit_effective_capacity(
+    features: np.ndarray,
+    seconds: np.ndarray,
+    per_call_bytes: np.ndarray,
+    calls: np.ndarray,
+    capacities: tuple[float, float],
+    *,
+    streaming: bool,
+) -> tuple[np.ndarray, tuple[float, float]]:
+    """`fit_relative_nnls` with the last two columns (the cache terms of L2 and last-level
+    cache, `hexiseq.costmodel._features.cache_terms`) rebuilt for the capacities that fit
+    best, and those capacities.
+
+    The hardware's sizes (`capacities`) are the first choice. A process does not get all of
+    them: other data (the rotated inputs, the runtime's buffers) share the L2, and in a VM or
+    beside other tenants the share of a host's last-level cache is smaller, so the step in
+    time per byte comes earlier. Capacities from 1/8 of the hardware L2 up to it, and from
+    twice that up to the hardware's last-level size, are tried (log-spaced); others than the
+    hardware's are kept only when they cut the mean relative error (`CAPACITY_GAIN`). Only
+    the given points decide: the held-out fit passes its training points alone.
+    """
+    from hexiseq.costmodel._features import bytes_out_of_cache
+
+    def fit_with(trial: tuple[float, float]):
+        rebuilt = features.copy()
+        for column, capacity in zip((-2, -1), trial):
+            out = bytes_out_of_cache(per_call_bytes, capacity, streaming)
+            rebuilt[:, column] = calls * out
+        coefficients = fit_relative_nnls(rebuilt, seconds)
+        error = float(np.mean(relative_errors(rebuilt @ coefficients, seconds)))
+        return coefficients, trial, error
+
+    l2_bytes, llc_bytes = capacities
+    best = fit_with((float(l2_bytes), float(llc_bytes)))
+    hardware_error = best[2]
+    for l2 in np.geomspace(l2_bytes / 8, l2_bytes, 7):
+        if llc_bytes <= 2 * l2:
+            continue
+        for llc in np.geomspace(2 * l2, llc_bytes, CAPACITY_CANDIDATES):
+            fitted = fit_with((float(l2), float(llc)))
+            if fitted[2] < min(best[2], CAPACITY_GAIN * hardware_error):
+                best = fitted
+    return best[0], best[1]
+
+
 def relative_errors(predicted: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """|predicted − measured| / measured, per point."""
     return np.abs(predicted - seconds) / seconds

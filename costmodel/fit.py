@@ -15,6 +15,7 @@ not fitted (listed under `skipped`), and its device type falls back to the datas
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,7 +24,15 @@ from datetime import datetime, timezone
 import numpy as np
 
 from hexiseq.catalog import gpu_catalog
-from hexiseq.costmodel._features import OP_FEATURES, measurement_features, size_key
+from hexiseq.costmodel._features import (
+    CACHED_OPS,
+    OP_FEATURES,
+    STREAMING_OPS,
+    cache_terms,
+    measurement_cache_bytes,
+    measurement_features,
+    size_key,
+)
 from hexiseq.costmodel._fit_document import (
     EmulationCheck,
     FittedDocument,
@@ -36,6 +45,7 @@ from hexiseq.costmodel._fit_document import (
     SourceRun,
 )
 from hexiseq.costmodel._regression import (
+    fit_effective_capacity,
     fit_link,
     fit_relative_nnls,
     predict_link,
@@ -70,6 +80,8 @@ class _Points:
     sizes: np.ndarray
     runs: tuple[int, ...]
     device_type: str
+    cache_bytes: tuple[float, float] | None = None
+    kernel: str | None = None
 
 
 def fit_cost_model(
@@ -164,16 +176,31 @@ def _points(members: list) -> _Points:
         features = sizes[:, None]
     seconds = np.array([m.median_s for m in measurements], dtype=np.float64)
     runs = tuple(sorted({run_id for run_id, _ in members if run_id is not None}))
-    return _Points(features, seconds, sizes, runs, measurements[0].device_type)
+    return _Points(
+        features,
+        seconds,
+        sizes,
+        runs,
+        measurements[0].device_type,
+        cache_bytes=_the_one({measurement_cache_bytes(m) for m in measurements}),
+        kernel=_the_one({m.extra.get("kernel") for m in measurements if m.op in COMPUTE_OPS}),
+    )
+
+
+def _the_one(values: set):
+    """The value every row agrees on, else None (rows of older profiles, or mixed hosts:
+    the prediction then leaves that refinement out)."""
+    return next(iter(values)) if len(values) == 1 else None
 
 
 def _fit_compute_families(families: dict[tuple, _Points]) -> list[tuple[OpFit, _Points]]:
     fits = []
     for (device_type, op, dtype, slowdown), points in families.items():
-        coefficients = fit_relative_nnls(points.features, points.seconds)
+        coefficients, cache_bytes, features = _fit_points(op, points, slice(None))
         train, test = extrapolation_split(points.sizes)
-        train_coefficients = fit_relative_nnls(points.features[train], points.seconds[train])
-        predicted = points.features[test] @ train_coefficients
+        train_coefficients, train_cache, _ = _fit_points(op, points, train)
+        test_features = _with_capacity(op, points.features[test], train_cache)
+        predicted = test_features @ train_coefficients
         fit = OpFit(
             device_type=device_type,
             op=op,
@@ -182,13 +209,46 @@ def _fit_compute_families(families: dict[tuple, _Points]) -> list[tuple[OpFit, _
             features=OP_FEATURES[op],
             coefficients=tuple(float(c) for c in coefficients),
             points=len(points.seconds),
-            fit_mape=_mape(points.features @ coefficients, points.seconds),
+            fit_mape=_mape(features @ coefficients, points.seconds),
             size_range=(float(points.sizes.min()), float(points.sizes.max())),
             source_runs=points.runs,
             heldout=_heldout(train, test, predicted, points.seconds[test]),
+            cache_bytes=cache_bytes,
+            attention_kernel=points.kernel if op.startswith("attention") else None,
         )
-        fits.append((fit, points))
+        fits.append((fit, dataclasses.replace(points, features=features)))
     return fits
+
+
+def _fit_points(op: str, points: _Points, rows) -> tuple[np.ndarray, tuple | None, np.ndarray]:
+    """Coefficients fitted on `rows` of the family, the cache capacities they use, and the
+    family's features with those capacities (`fit_effective_capacity` for cache terms)."""
+    features, seconds = points.features[rows], points.seconds[rows]
+    if op not in CACHED_OPS or points.cache_bytes is None:
+        return fit_relative_nnls(features, seconds), points.cache_bytes, points.features
+    calls, per_call = _calls_and_bytes_per_call(op, features)
+    coefficients, cache = fit_effective_capacity(
+        features, seconds, per_call, calls, points.cache_bytes, streaming=op in STREAMING_OPS
+    )
+    return coefficients, cache, _with_capacity(op, points.features, cache)
+
+
+def _with_capacity(op: str, features: np.ndarray, cache: tuple | None) -> np.ndarray:
+    """`features` with the cache terms taken at the capacities `cache`."""
+    if cache is None or op not in CACHED_OPS:
+        return features
+    calls, per_call = _calls_and_bytes_per_call(op, features)
+    rebuilt = features.copy()
+    rebuilt[:, -2], rebuilt[:, -1] = cache_terms(
+        per_call * calls, calls, cache, streaming=op in STREAMING_OPS
+    )
+    return rebuilt
+
+
+def _calls_and_bytes_per_call(op: str, features: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    names = OP_FEATURES[op]
+    calls = features[:, names.index("calls")]
+    return calls, features[:, names.index("bytes")] / calls
 
 
 def _heldout(

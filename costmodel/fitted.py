@@ -28,9 +28,11 @@ import numpy as np
 
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel._features import (
+    OP_FEATURES,
     attention_features,
     element_bytes,
     gemm_features,
+    memory_bound_features,
 )
 from hexiseq.costmodel._fit_document import (
     FittedDocument,
@@ -98,7 +100,10 @@ class FittedCostModel:
         fit = self._ops.get((gpu, "gemm"))
         if fit is None:
             return self.fallback.gemm_time_s(gpu, flops, bytes_moved=bytes_moved, calls=calls)
-        return _combine(fit, gemm_features(flops, bytes_moved, calls, element_bytes(fit.dtype)))
+        features = gemm_features(
+            flops, bytes_moved, calls, element_bytes(fit.dtype), fit.cache_bytes
+        )
+        return _combine(fit, features)
 
     def attention_time_s(
         self,
@@ -120,7 +125,7 @@ class FittedCostModel:
             )  # fmt: skip
         features = attention_features(
             pairs, heads, head_dim, backward=backward, q_tokens=q_tokens, kv_tokens=kv_tokens,
-            calls=calls, element_size=element_bytes(fit.dtype),
+            calls=calls, element_size=element_bytes(fit.dtype), kernel=fit.attention_kernel,
         )  # fmt: skip
         return _combine(fit, features)
 
@@ -130,7 +135,7 @@ class FittedCostModel:
         fit = self._ops.get((gpu, "elementwise"))
         if fit is None:
             return self.fallback.memory_bound_time_s(gpu, bytes_moved, calls=calls)
-        return _combine(fit, (bytes_moved, calls))
+        return _combine(fit, memory_bound_features(bytes_moved, calls, fit.cache_bytes))
 
     def transfer_time_s(
         self, bytes_moved: FloatOrArray, bandwidth_GBps: FloatOrArray, latency_s: FloatOrArray
@@ -166,10 +171,12 @@ class FittedCostModel:
 
 
 def _combine(fit: OpFit, features: Sequence[FloatOrArray]) -> FloatOrArray:
-    """Σ coefficient x feature, in a fixed order (arrays give what scalars give)."""
+    """Σ coefficient x feature, in a fixed order (arrays give what scalars give). `features`
+    are the op's current ones (OP_FEATURES); a fit of an older schema uses those it names."""
+    named = dict(zip(OP_FEATURES[fit.op], features))
     seconds = 0.0
-    for coefficient, feature in zip(fit.coefficients, features):
-        seconds = seconds + coefficient * feature
+    for coefficient, name in zip(fit.coefficients, fit.features):
+        seconds = seconds + coefficient * named[name]
     return seconds
 
 

@@ -11,7 +11,7 @@ import platform
 import re
 import socket
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,6 +21,7 @@ from hexiseq.errors import InputError
 
 _CUDA_DEVICE = re.compile(r"^cuda(?::(\d+))?$")
 _NVIDIA_SMI_TIMEOUT_S = 5.0
+_SYSFS_CPU0_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
 
 # Ordered: the first rule whose words all appear in the driver's name wins.
 _CATALOG_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
@@ -48,6 +49,10 @@ class DeviceIdentity:
     torch_version: str
     cuda_version: str | None
     host: str
+    cache_bytes: dict[str, int] = field(default_factory=dict)
+    """Cache capacities the cost model's cache terms use (`read_cache_bytes`): `l2_bytes`
+    (a core's private cache on a CPU) and `llc_bytes` (the last-level cache); empty where the
+    machine does not say."""
 
 
 def parse_device(text: str) -> torch.device:
@@ -101,7 +106,42 @@ def describe_device(device: torch.device, device_type: str | None = None) -> Dev
         torch_version=torch.__version__,
         cuda_version=torch.version.cuda,
         host=socket.gethostname(),
+        cache_bytes=read_cache_bytes(device),
     )
+
+
+def read_cache_bytes(device: torch.device, sysfs: Path = _SYSFS_CPU0_CACHE) -> dict[str, int]:
+    """{"l2_bytes": ..., "llc_bytes": ...} of `device`, or {} where they are unknown.
+
+    CPU: the data / unified caches of cpu0 in sysfs (`index*/level`, `type`, `size`, as
+    `lscpu` reads them): level 2 and the highest level. CUDA: the GPU's L2, which is its last
+    level (both keys). In a VM the sizes are the host's as the hypervisor reports them.
+    """
+    if device.type == "cuda":
+        l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+        return {"l2_bytes": l2, "llc_bytes": l2} if l2 > 0 else {}
+    levels: dict[int, int] = {}
+    for index in sorted(sysfs.glob("index*")):
+        try:
+            kind = (index / "type").read_text(encoding="utf-8").strip()
+            level = int((index / "level").read_text(encoding="utf-8"))
+            size = parse_cache_size((index / "size").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if kind in ("Data", "Unified"):
+            levels[level] = max(levels.get(level, 0), size)
+    if not levels:
+        return {}
+    return {"l2_bytes": levels.get(2, levels[min(levels)]), "llc_bytes": levels[max(levels)]}
+
+
+def parse_cache_size(text: str) -> int:
+    """Bytes of a sysfs cache size: "48K", "2048K", "480M", "1G" or plain bytes."""
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"not a cache size: {text!r}")
+    power = " KMG".index(match.group(2).upper() or " ")
+    return int(match.group(1)) * 1024**power
 
 
 def _resolve_gpu_type(name: str, memory_GiB: float, device_type: str | None) -> str:

@@ -88,6 +88,16 @@ class LinkSpec(_Strict):
     min_bytes: PositiveInt = 1024
     max_bytes: PositiveInt = 256 * 1024**2
     dtype: Literal[DTYPES] = "float32"  # type: ignore[valid-type]
+    samples: int | None = Field(None, ge=MIN_SAMPLES)
+    """Timed calls per link point, if not `timing.samples`: links on shared hosts (loopback
+    gloo on a CPU) are far noisier than compute, and the median of more samples steadier."""
+    warmup_s: float | None = Field(None, ge=0.0)
+    """Warm-up per link point, if not `timing.warmup_s`."""
+
+    def timing(self, base: TimingSpec) -> TimingSpec:
+        """`base` with this spec's link overrides."""
+        changes = {"samples": self.samples, "warmup_s": self.warmup_s}
+        return base.model_copy(update={k: v for k, v in changes.items() if v is not None})
 
     @field_validator("min_bytes", "max_bytes")
     @classmethod

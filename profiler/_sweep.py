@@ -114,6 +114,7 @@ def measure_point(point: Point, sweep: ComputeSweep) -> ProfileMeasurement:
     timing = sweep.grid.timing
     extra = {"threads": torch.get_num_threads(), "input_sets": timing.input_sets}
     extra |= {"warmup_s": timing.warmup_s, "grid": sweep.grid_name}
+    extra |= sweep.identity.cache_bytes  # l2_bytes, llc_bytes: the fit's cache terms
     try:
         stats = _time_point(point, sweep, extra)
     except Exception as error:  # noqa: BLE001 - any failing size is recorded, the sweep goes on

@@ -142,7 +142,7 @@ def measure_link_point(
     status = agree_on_status(status, device)
     if status == "ok":
         try:
-            stats = measure_link(calls, device, grid.timing)
+            stats = measure_link(calls, device, grid.links.timing(grid.timing))
         except Exception as error:  # noqa: BLE001 - e.g. the backend lacks the collective
             status, error_line = classify_failure(error)
         status = agree_on_status(status, device)

@@ -86,7 +86,7 @@ def _predict_compute(m: ProfileMeasurement, ops: dict) -> float | None:
     fit = ops.get((m.device_type, m.op, m.dtype, m.emulation_slowdown))
     if fit is None:
         return None
-    return float(np.dot(fit.coefficients, measurement_features(m)))
+    return float(np.dot(fit.coefficients, measurement_features(m, fit.cache_bytes)))
 
 
 def _predict_link(m: ProfileMeasurement, links: dict) -> float | None:

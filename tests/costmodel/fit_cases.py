@@ -15,10 +15,12 @@ class TrueDevice:
     """The coefficients a synthetic device follows exactly (before noise)."""
 
     name: str
-    gemm: tuple[float, float, float] = (1 / 3e11, 1 / 4e10, 2e-5)  # s/FLOP, s/byte, s/call
+    # s/FLOP, s/byte, s/call, s/byte beyond the L2, s/byte beyond the last-level cache (the
+    # cache terms are 0: these rows record no cache sizes, so their cache features are 0)
+    gemm: tuple[float, ...] = (1 / 3e11, 1 / 4e10, 2e-5, 0.0, 0.0)
     attention_fwd: tuple[float, ...] = (1 / 1.5e11, 1 / 3e11, 2e-10, 1 / 1e11, 5e-5)
     attention_bwd: tuple[float, ...] = (1 / 1e11, 1 / 2e11, 4e-10, 1 / 1e11, 8e-5)
-    elementwise: tuple[float, float] = (1 / 1.5e10, 5e-6)
+    elementwise: tuple[float, ...] = (1 / 1.5e10, 5e-6, 0.0, 0.0)
 
 
 def measurement(
@@ -33,6 +35,7 @@ def measurement(
     slowdown: float = 1.0,
     link_class: str | None = None,
     status: str = "ok",
+    extra: dict | None = None,
 ) -> ProfileMeasurement:
     return ProfileMeasurement(
         device_type=device,
@@ -51,6 +54,7 @@ def measurement(
         link_class=link_class,
         emulation_slowdown=slowdown,
         error=None if status == "ok" else "synthetic failure",
+        extra=extra or {},
     )
 
 
@@ -94,7 +98,9 @@ def compute_rows(
 
 
 def _timed(row, coefficients, rng, noise, slowdown) -> ProfileMeasurement:
-    exact = float(np.dot(coefficients, measurement_features(row)))
+    features = measurement_features(row)
+    padded = tuple(coefficients) + (0.0,) * (len(features) - len(coefficients))  # no cache terms
+    exact = float(np.dot(padded, features))
     seconds = slowdown * exact * float(np.exp(rng.normal(0.0, noise)))
     return measurement(row.device_type, row.op, row.params, row.flops, row.bytes_moved, seconds,
                        dtype=row.dtype, slowdown=slowdown)  # fmt: skip

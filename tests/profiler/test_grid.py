@@ -34,6 +34,7 @@ def test_full_grid_link_sizes_reach_256_MiB() -> None:
          "attention.head_dims[0]"),
         ("name: x\nlinks: {min_bytes: 1000}\n", "links.min_bytes: must be a power of two"),
         ("name: x\nlinks: {min_bytes: 4096, max_bytes: 1024}\n", "above links.max_bytes"),
+        ("name: x\nlinks: {samples: 3}\n", "links.samples"),
         ("name: x\ndtypes: {tpu: [float32]}\n", "dtypes.tpu"),
         ("timing: {}\n", "name: required field is missing"),
         ("name: [unclosed\n", "not valid YAML"),
@@ -55,3 +56,26 @@ def test_bad_grid_is_one_line_naming_file_and_field(
 def test_missing_grid_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot be read"):
         load_grid(tmp_path / "absent.yaml")
+
+
+def test_link_timing_overrides_the_grid_timing(tmp_path: Path) -> None:
+    path = tmp_path / "links.yaml"
+    path.write_text(
+        "name: x\ntiming: {samples: 12, warmup_s: 0.01}\nlinks: {samples: 40, warmup_s: 0.2}\n",
+        encoding="utf-8",
+    )
+    grid = load_grid(path)
+    timing = grid.links.timing(grid.timing)
+    assert (timing.samples, timing.warmup_s, timing.input_sets) == (40, 0.2, 3)
+    assert grid.timing.samples == 12  # compute points keep the grid's timing
+    plain = load_grid(builtin_grid_path(quick=True))
+    assert plain.links.timing(plain.timing) == plain.timing
+
+
+def test_benchmark_grid_reaches_past_the_last_level_cache() -> None:
+    # benchmarks/costmodel_accuracy.py relies on it: elementwise calls up to 3.2 GB, so the
+    # training two thirds hold sizes beyond a 480 MiB last-level cache.
+    grid = load_grid(Path(__file__).parents[2] / "benchmarks" / "grids" / "costmodel_cpu.yaml")
+    sizes = sorted(12 * n for n in grid.elementwise.numels)
+    train = sizes[: len(sizes) - len(sizes) // 3]
+    assert sum(size > 480 * 1024**2 for size in train) >= 3
