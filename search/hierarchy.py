@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hexiseq.costmodel.memory import even_state_fractions
 from hexiseq.plan import InfeasiblePlan, Plan
-from hexiseq.search._evaluate import Problem, evaluate, out_of_memory
+from hexiseq.search._evaluate import Problem, evaluate, memory_shortfall, out_of_memory
 from hexiseq.search.greedy import (
     GlobalChoices,
     attention_speeds,
@@ -45,8 +46,18 @@ def plan_for_choices(problem: Problem, choices: GlobalChoices) -> Plan | Infeasi
     solution = solve_local(problem, groups, heads, quantum)
     if solution.layout is None:
         return out_of_memory(PLAN_NAME, solution.missing_bytes or {})
-    knobs = _knobs(choices, groups, quantum)
-    return evaluate(problem, solution.layout, solution.state_fractions, PLAN_NAME, knobs)
+    fractions, sharding = _state_fractions(problem, solution.layout, solution.state_fractions)
+    knobs = {**_knobs(choices, groups, quantum), "state_sharding": sharding}
+    return evaluate(problem, solution.layout, fractions, PLAN_NAME, knobs)
+
+
+def _state_fractions(problem: Problem, layout, milp_fractions) -> tuple[list[float], str]:
+    """Even state shares (what FSDP2 runs, `hexiseq.runtime.sharding`) whenever they fit in
+    memory; the MILP's uneven shares only where even ones would overflow a device."""
+    even = even_state_fractions(problem.cluster.world_size)
+    if not memory_shortfall(problem, layout, even):
+        return even, "even (FSDP2)"
+    return list(milp_fractions), "MILP (by memory): even shares do not fit"
 
 
 def _speed_by_type(problem: Problem, speeds: list[float]) -> dict[str, float]:
@@ -64,5 +75,4 @@ def _knobs(choices: GlobalChoices, groups, quantum: int) -> dict:
         "ring_order": choices.ring_order,
         "chunk_quantum": quantum,
         "activation_checkpointing": choices.activation_checkpointing,
-        "state_sharding": "MILP (by memory)",
     }
