@@ -1,6 +1,7 @@
 """Drive the live dashboard with headless Chromium: load every page, collect what went wrong,
 save a screenshot of each. The browser test uses it; run as a script it regenerates the
-committed screenshots `docs/dashboard-<page>.png` from a store filled by `hexiseq plan`:
+committed screenshots `docs/dashboard-<page>.png` from a store filled by `hexiseq plan`,
+`hexiseq run`, `hexiseq profile` and `hexiseq fit` (`fill_example_store`):
 
     .venv/bin/python -m hexiseq.dashboard.screenshots [--out docs]
 
@@ -41,6 +42,7 @@ SETTLE_S = 1.0
 """Quiet time after a page's script finished, for plotly to draw."""
 MAX_HEIGHT_PX = 5000
 EXAMPLE_PLAN = ["--cluster", "h100x8-a100x8", "--model", "llama-30b", "--seq-len", "512k"]
+TINY_PLAN = ["--cluster", "cpu-emulated-2type", "--model", "tiny", "--seq-len", "4k"]
 
 
 @dataclass(frozen=True)
@@ -178,15 +180,21 @@ def _wait_until_idle(page) -> None:
 
 
 def fill_example_store(store_url: str) -> None:
-    """The README's first plan (8x H100 + 8x A100, LLaMA-30B, 512K) saved with its baselines,
-    and a quick CPU profile of this machine with its fit (about 20 s)."""
-    for arguments in (
-        ["plan", *EXAMPLE_PLAN],
-        ["profile", "--device", "cpu", "--quick"],
-        ["fit"],
-    ):
-        command = [sys.executable, "-m", "hexiseq.cli", *arguments, "--store", store_url]
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    """The README's first plan (8x H100 + 8x A100, LLaMA-30B, 512K) searched with 30 Optuna
+    trials whose study is kept in the store, saved with its baselines; a 'tiny' plan for the
+    emulated 2-type CPU cluster run for 3 steps by the runtime (predicted vs measured); and a
+    quick CPU profile of this machine with its fit (about a minute in all)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tiny_plan = str(Path(folder) / "tiny.json")
+        for arguments in (
+            ["plan", *TINY_PLAN, "--out", tiny_plan],
+            ["run", "--plan", tiny_plan, "--steps", "3", "--device", "cpu"],
+            ["plan", *EXAMPLE_PLAN, "--trials", "30", "--storage", store_url],
+            ["profile", "--device", "cpu", "--quick"],
+            ["fit"],
+        ):
+            command = [sys.executable, "-m", "hexiseq.cli", *arguments, "--store", store_url]
+            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
 
 
 def main(argv: list[str] | None = None) -> int:

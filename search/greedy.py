@@ -19,6 +19,8 @@ from hexiseq.search._evaluate import Problem
 
 Group = tuple[int, ...]
 RING_ORDERS = ("bandwidth", "file", "fastest-first", "interleaved")
+EXPLICIT_ORDER_PREFIX = "nodes:"
+"""A ring order may also name the nodes outright, "nodes:n0,n2,n1" (the polish tries those)."""
 # Ulysses all-to-alls move (d-1)/d of every layer's q, k, v and output through the node's
 # links, ring attention moves K/V blocks behind compute; an HP group spanning the node pays
 # off when the node's link is clearly faster than the network (NVLink vs NIC), not on PCIe.
@@ -128,17 +130,32 @@ def order_ring(
 ) -> list[Group]:
     """Groups in ring order. A node's groups stay together (their hops use the node's link);
     `strategy` orders the nodes; `speed` is each GPU type's relative attention speed."""
-    if strategy not in RING_ORDERS:
-        raise ValueError(f"unknown ring order '{strategy}'; allowed: {', '.join(RING_ORDERS)}")
     names = list(groups_by_node)
     gpu_of = {node.name: node.gpu for node in cluster.nodes}
-    if strategy == "bandwidth":
+    if strategy.startswith(EXPLICIT_ORDER_PREFIX):
+        names = _explicit_order(strategy, names)
+    elif strategy not in RING_ORDERS:
+        allowed = ", ".join((*RING_ORDERS, f"{EXPLICIT_ORDER_PREFIX}N1,N2,..."))
+        raise ValueError(f"unknown ring order '{strategy}'; allowed: {allowed}")
+    elif strategy == "bandwidth":
         names = _bandwidth_order(cluster, names, lambda n: speed[gpu_of[n]])
     elif strategy == "fastest-first":
         names = sorted(names, key=lambda n: -speed[gpu_of[n]])
     elif strategy == "interleaved":
         names = _interleave(sorted(names, key=lambda n: -speed[gpu_of[n]]))
     return [group for name in names for group in groups_by_node[name]]
+
+
+def explicit_ring_order(node_names: Sequence[str]) -> str:
+    """The ring order that visits the nodes in exactly this order."""
+    return EXPLICIT_ORDER_PREFIX + ",".join(node_names)
+
+
+def _explicit_order(strategy: str, names: list[str]) -> list[str]:
+    ordered = strategy.removeprefix(EXPLICIT_ORDER_PREFIX).split(",")
+    if sorted(ordered) != sorted(names):
+        raise ValueError(f"ring order '{strategy}' must name each node once: {', '.join(names)}")
+    return ordered
 
 
 def _interleave(ordered: Sequence[str]) -> list[str]:

@@ -31,6 +31,7 @@ from hexiseq.search.greedy import (
     attention_speeds,
     candidate_hp_degrees,
     chunk_quantum,
+    explicit_ring_order,
     greedy_candidates,
 )
 from hexiseq.search.hierarchy import plan_for_choices
@@ -209,18 +210,34 @@ def _throughput(plan: Plan | InfeasiblePlan) -> float:
 
 def _neighbours(objective: _Objective, choices: GlobalChoices) -> list[GlobalChoices]:
     """Every choice set that differs from `choices` in one decision: the cheap knobs first
-    (checkpointing, quantum, ring order), then each GPU type's HP degree."""
+    (checkpointing, quantum, ring-order strategy, two neighbouring nodes of the ring swapped),
+    then each GPU type's HP degree."""
     problem = objective.problem
     found = []
     for checkpointing in problem.checkpointing_options:
         found.append(replace(choices, activation_checkpointing=checkpointing))
     found += [replace(choices, chunk_quantum=q) for q in objective.quanta]
     found += [replace(choices, ring_order=order) for order in RING_ORDERS]
+    found += [replace(choices, ring_order=order) for order in _node_swaps(objective, choices)]
     for gpu in problem.cluster.gpu_types:
         for degree in candidate_hp_degrees(problem.cluster, problem.model, gpu):
             found.append(replace(choices, hp_degrees={**choices.hp_degrees, gpu: degree}))
     unique = {c.key(): c for c in found if c.key() != choices.key()}
     return list(unique.values())
+
+
+def _node_swaps(objective: _Objective, choices: GlobalChoices) -> list[str]:
+    """Explicit ring orders that swap two neighbouring nodes of the plan's ring."""
+    plan = objective.plan(choices)
+    if not isinstance(plan, Plan):
+        return []
+    nodes = [plan.assignments[group[0]].node for group in plan.layout().groups]
+    ring = list(dict.fromkeys(nodes))  # a node's groups are consecutive in the ring
+    swaps = []
+    for i in range(len(ring) - 1):
+        swapped = ring[:i] + [ring[i + 1], ring[i]] + ring[i + 2 :]
+        swaps.append(explicit_ring_order(swapped))
+    return swaps
 
 
 def _best_feasible(study, count: int) -> list:

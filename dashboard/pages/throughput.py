@@ -47,7 +47,10 @@ def _whatif_search() -> None:
 def _stored_study() -> None:
     import optuna
 
-    storage = st.text_input("Optuna storage URL", key="optuna_storage").strip()
+    # Studies kept with `--storage` in the store's own database show up by default.
+    storage = st.text_input(
+        "Optuna storage URL", value=_session.store_url(), key="optuna_storage"
+    ).strip()
     if not storage:
         st.info(STUDY_HINT)
         return

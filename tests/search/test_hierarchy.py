@@ -18,6 +18,7 @@ from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import (
     GlobalChoices,
     default_choices,
+    explicit_ring_order,
     form_groups,
     greedy_candidates,
     order_ring,
@@ -92,6 +93,18 @@ def test_bandwidth_ring_order_avoids_the_slow_link():
     file_ring = order_ring(cluster, groups, "file", speed)
     file_nodes = [node_of[g[0]] for g in file_ring]
     assert file_nodes[:2] == ["n0", "n1"]
+
+
+def test_an_explicit_ring_order_visits_the_named_nodes_and_refuses_others():
+    cluster = eight_type_cluster()
+    groups = form_groups(cluster, {gpu: 8 for gpu in cluster.gpu_types})
+    speed = {gpu: 1.0 for gpu in cluster.gpu_types}
+    names = list(groups)[::-1]
+    ring = order_ring(cluster, groups, explicit_ring_order(names), speed)
+    node_of = {d.rank: d.node for d in cluster.devices}
+    assert list(dict.fromkeys(node_of[g[0]] for g in ring)) == names
+    with pytest.raises(ValueError, match="each node once"):
+        order_ring(cluster, groups, explicit_ring_order(names[1:]), speed)
 
 
 def test_every_ring_order_is_a_permutation_of_the_groups():
