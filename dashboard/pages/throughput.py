@@ -118,7 +118,7 @@ def main() -> None:
     st.subheader("Search: Optuna history and Pareto front")
     if selected is not None and selected.source == "what-if search":
         _whatif_search()
-    with st.expander("Optuna study from a storage URL", expanded=selected is None):
+    with st.expander("Optuna study from a storage URL", expanded=True):
         _stored_study()
     _runs()
 
