@@ -38,16 +38,20 @@ from hexiseq.search.hierarchy import plan_for_choices
 
 INFEASIBLE_SCORE = 0.0
 POLISH_MAX_EVALUATIONS = 64
+POLISH_DEVICE_EVALUATIONS = 768
 POLISH_WORLD_LIMIT = 96
+"""The polish tries at most POLISH_MAX_EVALUATIONS neighbours, and POLISH_DEVICE_EVALUATIONS /
+devices on larger clusters (an evaluation costs about in proportion to the devices), none
+from POLISH_WORLD_LIMIT devices up: the default search must stay within 0.5 s at 128 GPUs
+(benchmarks/planner_scaling.py)."""
 POLISH_STARTS = 3
-"""The polish tries at most POLISH_MAX_EVALUATIONS neighbours, fewer as the cluster grows,
-none from POLISH_WORLD_LIMIT devices up: there one evaluation costs ~50 ms and the default
-search must stay within 0.5 s at 128 GPUs (benchmarks/planner_scaling.py)."""
 
 
 def polish_evaluations(world_size: int) -> int:
     """How many neighbours the polish may score on a cluster of `world_size` devices."""
-    return max(0, min(POLISH_MAX_EVALUATIONS, POLISH_WORLD_LIMIT - world_size))
+    if world_size >= POLISH_WORLD_LIMIT:
+        return 0
+    return min(POLISH_MAX_EVALUATIONS, POLISH_DEVICE_EVALUATIONS // world_size)
 
 
 @dataclass
