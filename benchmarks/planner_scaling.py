@@ -198,7 +198,8 @@ def update_results(table: str, goals: list[str], repeats: int, command: str) -> 
         [
             "## Planner scaling",
             "",
-            f"Default `plan_search` (greedy short list + local MILP + polish below 96 devices + baselines), median of "
+            "Default `plan_search` (greedy short list + local MILP + polish below 96 devices + "
+            f"baselines), median of "
             f"{repeats} runs after one warm-up per cluster ({os.cpu_count()} CPU cores, "
             f"{platform.machine()}, Python {platform.python_version()}; {date}). Nodes of 8 "
             "GPUs, or of 4 / 2 where 8 would leave a type out (marked n/node), types "
