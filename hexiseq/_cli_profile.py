@@ -131,16 +131,19 @@ def _run_compute(args: argparse.Namespace) -> int:
 
 
 def _sweep_compute(args: argparse.Namespace, grid, grid_label: str, slowdown: float) -> int:
-    import torch
-
-    from hexiseq.profiler import ComputeSweep, describe_device, parse_device, run_compute_sweep
-    from hexiseq.profiler._device import check_device_available
+    from hexiseq.profiler import (
+        ComputeSweep,
+        check_device_available,
+        describe_device,
+        parse_device,
+        run_compute_sweep,
+        set_threads,
+    )
     from hexiseq.store import Store
 
     device = parse_device(args.device)
     check_device_available(device)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     identity = describe_device(device, args.device_type)
     sweep = ComputeSweep(
         grid=grid,
@@ -178,20 +181,14 @@ def _run_links(args: argparse.Namespace) -> int:
     if load_grid(grid_path).links is None:
         raise InputError(f"grid file {grid_path}: has no links section to sweep")
     if args.device == "cuda":
-        _check_cuda_ranks(args.nproc)
+        from hexiseq.profiler import check_cuda_ranks
+
+        check_cuda_ranks(args.nproc)
     Store.open(args.store).close()  # a bad URL fails here, in one line, not on rank 0
     # One thread per rank (the ranks share the machine); set here, torchrun prints no banner.
     environment = {"OMP_NUM_THREADS": "1", **os.environ}
     command = _torchrun_command(args, grid_path, grid_label)
     return subprocess.run(command, env=environment, check=False).returncode
-
-
-def _check_cuda_ranks(nproc: int) -> None:
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < nproc:
-        raise InputError(f"--nproc {nproc} on cuda needs {nproc} CUDA devices; this has {count}")
 
 
 def _torchrun_command(args: argparse.Namespace, grid_path: Path, grid_label: str) -> list[str]:

@@ -25,6 +25,9 @@ _LAZY = {
     "DeviceIdentity": "._device",
     "describe_device": "._device",
     "parse_device": "._device",
+    "check_device_available": "._device",
+    "check_cuda_ranks": "._device",
+    "set_threads": "._device",
 }
 
 __all__ = ["BUILTIN_GRIDS", "Grid", "builtin_grid_path", "load_grid", *_LAZY]

@@ -77,6 +77,19 @@ def check_device_available(device: torch.device) -> None:
         )
 
 
+def set_threads(threads: int | None) -> None:
+    """`torch.set_num_threads(threads)` for the sweep; None leaves torch's own choice."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def check_cuda_ranks(nproc: int) -> None:
+    """A CUDA link sweep runs rank i on cuda:i: refuse when there are fewer devices."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < nproc:
+        raise InputError(f"--nproc {nproc} on cuda needs {nproc} CUDA devices; this has {count}")
+
+
 def catalog_type_for(gpu_name: str, memory_GiB: float) -> str | None:
     """The catalog GPU type whose name `gpu_name` (as the driver reports it) matches."""
     upper = gpu_name.upper()
