@@ -52,8 +52,9 @@ def build_ring_tables(context: SimContext) -> RingTables:
     """Compute and transfer time of every rank at every ring step of `context`'s layout."""
     group_count = len(context.layout.groups)
     pairs = rows_by_step(causal_pair_matrix(context.layout, context.group_of))
-    forward_s = _step_major(_attention_times(context, pairs, backward=False))
-    backward_s = _step_major(_attention_times(context, pairs, backward=True))
+    shapes = _block_shapes(context, pairs)
+    forward_s = _step_major(_attention_times(context, pairs, shapes, backward=False))
+    backward_s = _step_major(_attention_times(context, pairs, shapes, backward=True))
     if group_count == 1:
         nothing = np.zeros_like(forward_s)
         return RingTables(None, forward_s, backward_s, nothing, nothing)
@@ -144,11 +145,17 @@ def _fold_times(context: SimContext, folds: FoldLinks, block_tokens: np.ndarray)
     return np.ascontiguousarray(np.asarray(seconds, dtype=float).T)
 
 
-def _attention_times(context: SimContext, pairs: np.ndarray, *, backward: bool) -> np.ndarray:
+def _attention_times(
+    context: SimContext,
+    pairs: np.ndarray,
+    shapes: tuple[np.ndarray, np.ndarray],
+    *,
+    backward: bool,
+) -> np.ndarray:
     """[rank, step] attention time: the rank's heads over the (query, key) pairs
-    `pairs[group, step]` of its group."""
+    `pairs[group, step]` of its group, in one block of `shapes` = (query, key tokens)."""
     cost, head_dim = context.cost, context.model.head_dim
-    q_tokens, kv_tokens = _block_shapes(context, pairs)
+    q_tokens, kv_tokens = shapes
 
     def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
         groups = context.group_of[ranks]
@@ -172,10 +179,7 @@ def _block_shapes(context: SimContext, pairs: np.ndarray) -> tuple[np.ndarray, n
     runtime's tiles, `runtime/_tiles.py`, for zigzag layouts): at step 0 the group's own block
     as a causal square (segment x segment, about half of it masked); at the other steps a
     mask-free rectangle of `pairs` pairs, counted here as the group's queries x pairs / them."""
-    segments = np.array(
-        [context.layout.segment_length(g) for g in range(len(context.layout.groups))],
-        dtype=np.float64,
-    )
+    segments = np.asarray(context.segment_lengths, dtype=np.float64)
     q_tokens = np.broadcast_to(segments[:, None], pairs.shape).copy()
     kv_tokens = pairs / np.maximum(q_tokens, 1.0)
     kv_tokens[:, 0] = segments
