@@ -12,9 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hexiseq.cluster import Cluster
-from hexiseq.costmodel._compat import with_full_protocol
 from hexiseq.costmodel.base import CostModel
-from hexiseq.costmodel.datasheet import declared_link_parameters
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 
@@ -65,7 +63,6 @@ def make_context(
     devices = cluster.devices
     gpus = [d.gpu for d in devices]
     node_index = {node.name: i for i, node in enumerate(cluster.nodes)}
-    cost = with_full_protocol(cost)
     bandwidth_GBps, latency_s = cost.link_parameters(cluster)
     return SimContext(
         cluster=cluster,
@@ -104,12 +101,6 @@ def _layout_arrays(layout: AttentionLayout) -> dict[str, np.ndarray]:
         "rank_order": rank_order,
         "group_starts": np.searchsorted(group_of[rank_order], np.arange(group_count)),
     }
-
-
-def link_matrices(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
-    """[node, node] declared bandwidth (GB/s) and latency (s) of `cluster`'s links (kept for
-    callers of the old name; cost models give theirs through `CostModel.link_parameters`)."""
-    return declared_link_parameters(cluster)
 
 
 def _ranks_by_gpu(gpus: list[str]) -> dict[str, np.ndarray]:

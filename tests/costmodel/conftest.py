@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
+from hexiseq.costmodel.datasheet import declared_link_parameters
+
 
 @dataclass(frozen=True)
 class RoundNumberCost:
@@ -19,19 +21,22 @@ class RoundNumberCost:
     def label(self, gpu: str) -> str:
         return "round numbers"
 
-    def gemm_time_s(self, gpu: str, flops: float) -> float:
+    def gemm_time_s(self, gpu: str, flops: float, **_shape) -> float:
         return flops * self.seconds_per_flop
 
-    def attention_time_s(self, gpu, pairs, heads, head_dim, *, backward):
+    def attention_time_s(self, gpu, pairs, heads, head_dim, *, backward, **_shape):
         return pairs * heads * self.seconds_per_pair_head * (2.0 if backward else 1.0)
 
-    def memory_bound_time_s(self, gpu: str, bytes_moved: float) -> float:
+    def memory_bound_time_s(self, gpu: str, bytes_moved: float, **_shape) -> float:
         return 0.0 * bytes_moved  # free, in the shape of `bytes_moved`
 
     def transfer_time_s(self, bytes_moved, bandwidth_GBps, latency_s):
         # Broadcasts over arrays as the CostModel protocol asks (no `if` on the bytes).
         latency = np.where(np.asarray(bytes_moved) != 0, latency_s, 0.0)
         return bytes_moved / (bandwidth_GBps * 1e9) + latency
+
+    def link_parameters(self, cluster):
+        return declared_link_parameters(cluster)
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ from hexiseq import (
 )
 from hexiseq.costmodel import DatasheetCostModel, simulate_step
 from hexiseq.costmodel._pairs import causal_pair_matrix, rows_by_step
-from hexiseq.costmodel._state import _layout_arrays, link_matrices
+from hexiseq.costmodel._state import _layout_arrays
+from hexiseq.costmodel.datasheet import declared_link_parameters
 from hexiseq.layout import causal_pair_count
 
 GPU_CYCLE = ("H100-SXM", "A100-80G", "L40S", "RTX-4090")
@@ -116,7 +117,7 @@ def test_link_matrices_match_the_cluster_links():
             },
         }
     )
-    bandwidth, latency = link_matrices(cluster)
+    bandwidth, latency = declared_link_parameters(cluster)
     names = [node.name for node in cluster.nodes]
     for i, a in enumerate(names):
         for j, b in enumerate(names):
