@@ -3,8 +3,6 @@ script to check the entry point and its exit codes."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 import subprocess
 import sys
@@ -12,31 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_runner import CliRun, run_main
 
 from hexiseq import Plan
-from hexiseq.cli import main
 from hexiseq.store import Store
 
 BASELINES = ("uniform-usp", "ring-only", "ulysses-only")
 DEVICE_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(H100-SXM|A100-80G)\s+\d+\s")
-
-
-@dataclass
-class CliRun:
-    code: int
-    stdout: str
-    stderr: str
-
-
-def run_main(argv: list[str]) -> CliRun:
-    """`main(argv)` with stdout/stderr captured; argparse's SystemExit turned into the code."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-    return CliRun(code, out.getvalue(), err.getvalue())
 
 
 def console_command() -> list[str]:

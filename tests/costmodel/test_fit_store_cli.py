@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
-import io
 import re
 
 import numpy as np
 import pytest
+from cli_runner import run_main
 from fit_cases import TrueDevice, compute_rows, link_rows
 
 from hexiseq import Cluster
-from hexiseq.cli import main
 from hexiseq.costmodel import DATASHEET_LABEL, FittedCostModel, fit_cost_model
 from hexiseq.search import plan_search
 from hexiseq.store import Store
 
 PLAN_ARGS = ["plan", "--cluster", "cpu-emulated-2type", "--model", "tiny", "--seq-len", "8k"]
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-    return code, out.getvalue(), err.getvalue()
 
 
 def assert_one_line_error(result: tuple[int, str, str], pattern: str) -> None:

@@ -3,36 +3,16 @@ no store created)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+from cli_runner import run_main
 from profiler_cases import TINY_GRID_POINTS
 
-from hexiseq.cli import main
 from hexiseq.store import Store
-
-
-@dataclass
-class CliRun:
-    code: int
-    stdout: str
-    stderr: str
-
-
-def run_main(argv: list[str]) -> CliRun:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-    return CliRun(code, out.getvalue(), err.getvalue())
 
 
 def test_profile_cpu_with_a_grid_file(tmp_path: Path, tiny_grid_path: Path) -> None:
