@@ -4,8 +4,8 @@ One formula per op family serves both the fit (a `ProfileMeasurement`) and the p
 `CostModel` arguments), so the two cannot drift apart. Time = Σ coefficient x feature, with:
 - gemm: FLOPs, bytes read + written, kernel calls, bytes beyond the L2 and beyond the
   last-level cache;
-- attention_fwd, attention_bwd: FLOPs, masked FLOPs, (query, key) pairs x heads, bytes,
-  kernel calls;
+- attention_fwd, attention_bwd: FLOPs, masked FLOPs, (query, key) pairs x heads (those the
+  softmax passes over), bytes, kernel calls;
 - elementwise: bytes read + written, kernel calls, bytes of calls that do not fit in the L2
   and in the last-level cache.
 The calls term is the fixed cost of a launch (dispatch, synchronization, small-size overhead).
@@ -19,7 +19,9 @@ row's `extra`) or the smaller effective ones the fit finds (`fit_effective_capac
 in the fit; a row without them has zero cache terms.
 The pairs x heads term is attention's work that does not grow with head_dim: the softmax's
 exponentials and rescaling, which FlashAttention-2 (arXiv:2307.08691, §3.1) counts apart from
-the matmul FLOPs; without it one line cannot fit several head dims. The masked FLOPs are
+the matmul FLOPs; without it one line cannot fit several head dims. It counts every pair the
+softmax passes over, masked ones included where the kernel's tiles are known
+(`softmax_pairs`). The masked FLOPs are
 those of the pairs a causal mask removes but the kernel still computes. A kernel whose tiles
 are known skips every tile that lies wholly above the diagonal and computes the rest in full:
 the CPU flash kernel (`cpu_flash`, PyTorch aten/native/cpu/FlashAttentionKernel.cpp) splits
@@ -99,12 +101,15 @@ def measurement_features(
     backward = op == "attention_bwd"
     causal = bool(m.params["causal"])
     pairs = attention_pairs(q_len, kv_len, causal=causal)
-    fraction, keys_read = kernel_tiles(q_len, kv_len, causal, str(m.extra.get("kernel", "")))
-    masked_flops = _attention_flops((q_len * kv_len - pairs) * fraction, heads, head_dim, backward)
+    kernel = str(m.extra.get("kernel", ""))
+    fraction, keys_read = kernel_tiles(q_len, kv_len, causal, kernel)
+    masked_pairs = (q_len * kv_len - pairs) * fraction
+    masked_flops = _attention_flops(masked_pairs, heads, head_dim, backward)
     nbytes = attention_bytes(
         q_len, keys_read, heads, head_dim, element_bytes(m.dtype), backward=backward
     )
-    return (m.flops, float(masked_flops), float(pairs * heads), float(nbytes), 1.0)
+    pair_heads = softmax_pairs(pairs, masked_pairs, kernel) * heads
+    return (m.flops, float(masked_flops), float(pair_heads), float(nbytes), 1.0)
 
 
 def measurement_cache_bytes(measurement: ProfileMeasurement) -> tuple[float, float] | None:
@@ -186,6 +191,25 @@ def _cpu_flash_tiles(q_len: float, kv_len: float, causal: bool) -> tuple[float, 
     return fraction, float(keys_read)
 
 
+def softmax_pairs(
+    pairs: FloatOrArray, computed_masked_pairs: FloatOrArray, kernel: str | None
+) -> FloatOrArray:
+    """(query, key) pairs the softmax of `kernel` passes over: the unmasked `pairs`, plus on
+    a kernel whose tiles are known (`cpu_flash`) the masked pairs it computes.
+
+    The CPU flash kernel works on a computed tile's full width: forward it sets the masked
+    scores to -inf and runs the row max, exp and sum over every column, backward it
+    recomputes exp(score - lse) and the softmax gradient over every column and zeroes the
+    masked ones; so a computed masked pair costs the same work that does not grow with
+    head_dim as an unmasked one. Left out of this term, that work goes to the masked FLOPs
+    (4·D per pair), which then overcharge causal blocks of a large head_dim and undercharge
+    those of a small one. For other kernels what they compute of the masked pairs is
+    unknown: the masked FLOPs' fitted rate stands for all of it."""
+    if kernel != "cpu_flash":
+        return pairs
+    return np.add(pairs, computed_masked_pairs)
+
+
 def element_bytes(dtype: str) -> int:
     """Bytes per element of `dtype`; ValueError naming the known ones otherwise."""
     if dtype not in DTYPE_BYTES:
@@ -261,7 +285,7 @@ def attention_features(
     return (
         _attention_flops(pairs, heads, head_dim, backward),
         _attention_flops(masked_pairs, heads, head_dim, backward),
-        pairs * heads,
+        softmax_pairs(pairs, masked_pairs, kernel) * heads,
         nbytes,
         calls,
     )

@@ -23,6 +23,7 @@ BUILTIN_GRIDS = ("full", "quick")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DeviceKind = Literal["cpu", "cuda"]
 MIN_SAMPLES = 10  # DESIGN.md §5
+DEFAULT_LINK_ROUNDS = 5  # rounds a link point's samples are spread over (`LinkSpec.rounds`)
 
 
 class _Strict(BaseModel):
@@ -82,22 +83,35 @@ class ElementwiseSpec(_Strict):
 
 class LinkSpec(_Strict):
     """Link sweeps (`hexiseq profile links`): message sizes are the powers of two from
-    `min_bytes` to `max_bytes`."""
+    `min_bytes` to `max_bytes`, or the list `sizes` when given."""
 
     ops: list[Literal[LINK_OPS]] = list(LINK_OPS)  # type: ignore[valid-type]
     min_bytes: PositiveInt = 1024
     max_bytes: PositiveInt = 256 * 1024**2
+    sizes: list[PositiveInt] | None = None
+    """Message sizes in bytes, instead of the powers of two from `min_bytes` to `max_bytes`
+    (e.g. denser steps where the bandwidth changes regime)."""
     dtype: Literal[DTYPES] = "float32"  # type: ignore[valid-type]
     samples: int | None = Field(None, ge=MIN_SAMPLES)
     """Timed calls per link point, if not `timing.samples`: links on shared hosts (loopback
     gloo on a CPU) are far noisier than compute, and the median of more samples steadier."""
     warmup_s: float | None = Field(None, ge=0.0)
     """Warm-up per link point, if not `timing.warmup_s`."""
+    rounds: int = Field(DEFAULT_LINK_ROUNDS, ge=1)
+    """The samples of each point are taken in this many rounds; each round visits every
+    size of an op once, in a shuffled order. A slow or fast spell of a shared host then
+    spreads over all sizes instead of biasing the few measured during it."""
 
     def timing(self, base: TimingSpec) -> TimingSpec:
         """`base` with this spec's link overrides."""
         changes = {"samples": self.samples, "warmup_s": self.warmup_s}
         return base.model_copy(update={k: v for k, v in changes.items() if v is not None})
+
+    def message_sizes(self) -> list[int]:
+        """The message sizes in bytes, ascending."""
+        if self.sizes is not None:
+            return sorted(set(self.sizes))
+        return powers_of_two(self.min_bytes, self.max_bytes)
 
     @field_validator("min_bytes", "max_bytes")
     @classmethod
@@ -105,6 +119,22 @@ class LinkSpec(_Strict):
         if value & (value - 1) or value < 8:
             raise ValueError(f"must be a power of two >= 8 bytes, got {value}")
         return value
+
+    @field_validator("sizes")
+    @classmethod
+    def _whole_elements(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and (not value or any(size % 8 for size in value)):
+            raise ValueError(f"must be a non-empty list of multiples of 8 bytes, got {value}")
+        return value
+
+
+def powers_of_two(min_bytes: int, max_bytes: int) -> list[int]:
+    """Powers of two from `min_bytes` to `max_bytes` inclusive."""
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 2
+    return sizes
 
 
 class Grid(_Strict):
@@ -145,7 +175,15 @@ def load_grid(path: str | Path) -> Grid:
 
 
 def _check_link_range(grid: Grid, path: str | Path) -> None:
-    if grid.links is not None and grid.links.min_bytes > grid.links.max_bytes:
+    if grid.links is None:
+        return
+    samples = grid.links.timing(grid.timing).samples
+    if grid.links.rounds > samples:
+        raise InputError(
+            f"grid file {path}: links.rounds ({grid.links.rounds}) is above the samples per "
+            f"link point ({samples}); each round takes at least one sample"
+        )
+    if grid.links.sizes is None and grid.links.min_bytes > grid.links.max_bytes:
         raise InputError(
             f"grid file {path}: links.min_bytes ({grid.links.min_bytes}) is above "
             f"links.max_bytes ({grid.links.max_bytes})"

@@ -130,22 +130,13 @@ def elementwise_point(numel: int, dtype: str) -> Point:
     return Point("elementwise", {"numel": numel}, dtype, 0.0, 3.0 * numel * DTYPE_BYTES[dtype])
 
 
-def message_sizes(min_bytes: int, max_bytes: int) -> list[int]:
-    """Powers of two from `min_bytes` to `max_bytes` inclusive."""
-    sizes, size = [], min_bytes
-    while size <= max_bytes:
-        sizes.append(size)
-        size *= 2
-    return sizes
-
-
 def link_points(grid: Grid, world: int) -> list[Point]:
     """Every link op of the grid at every message size for `world` ranks, by size."""
     spec = grid.links
     if spec is None:
         return []
     points = []
-    for message_bytes in message_sizes(spec.min_bytes, spec.max_bytes):
+    for message_bytes in spec.message_sizes():
         for op in spec.ops:
             directions = P2P_DIRECTIONS if op == "p2p" else (None,)
             points += [link_point(op, world, message_bytes, spec.dtype, d) for d in directions]

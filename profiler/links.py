@@ -23,10 +23,9 @@ from hexiseq.store import Store
 
 from ._device import DeviceIdentity, describe_device
 from ._grid import Grid, load_grid
-from ._link_ops import agree_on_status, build_link_calls, measure_link
+from ._link_ops import LinkOutcome, agree_on_status, measure_link_group
 from ._points import Point, link_points
 from ._progress import Progress
-from ._sweep import classify_failure
 
 EXIT_BAD_INPUT = 2
 
@@ -71,7 +70,8 @@ def _init_rank(device_kind: str) -> torch.device:
 
 
 def run_link_sweep(args: argparse.Namespace, device: torch.device) -> int:
-    """Measure the grid's link points not yet stored; rank 0 writes them."""
+    """Measure the grid's link points not yet stored, one op at a time (its sizes in
+    interleaved rounds); rank 0 writes each op's rows when its rounds are done."""
     grid = load_grid(args.grid)
     identity = describe_device(device, args.device_type)
     link_class = args.link_class or f"intra:{identity.device_type}"
@@ -81,17 +81,34 @@ def run_link_sweep(args: argparse.Namespace, device: torch.device) -> int:
     counts: Counter[str] = Counter()
     run_id = _save_run(store, args, grid, identity) if store and todo else None
     show = args.progress and dist.get_rank() == 0
-    with Progress(len(todo), f"links {link_class}", enabled=show) as bar:
-        for point in todo:
-            measurement = measure_link_point(point, grid, device, identity, link_class)
-            counts[measurement.status] += 1
-            if store is not None:
-                store.add_profile_measurement(run_id, measurement)
-            bar.advance(f"{point.op} {point.params['message_bytes']} B")
+    with Progress(len(todo) * grid.links.rounds, f"links {link_class}", enabled=show) as bar:
+        for group in _by_op(todo):
+            outcomes = measure_link_group(group, grid, device, on_visit=_advancer(bar))
+            for point, outcome in zip(group, outcomes):
+                measurement = _measurement(point, identity, link_class, outcome, grid)
+                counts[measurement.status] += 1
+                if store is not None:
+                    store.add_profile_measurement(run_id, measurement)
     if store is not None:
         print(_describe(counts, len(points) - len(todo), link_class, store.url), flush=True)
         store.close()
     return 0
+
+
+def _by_op(points: list[Point]) -> list[list[Point]]:
+    """The points grouped by op (first-seen order), each group by ascending message size."""
+    groups: dict[str, list[Point]] = {}
+    for point in points:
+        groups.setdefault(point.op, []).append(point)
+    return [sorted(group, key=_message_bytes) for group in groups.values()]
+
+
+def _message_bytes(point: Point) -> int:
+    return int(point.params["message_bytes"])
+
+
+def _advancer(bar: Progress):
+    return lambda point: bar.advance(f"{point.op} {_message_bytes(point)} B")
 
 
 def _open_store_on_rank_0(url: str, device: torch.device) -> Store | None:
@@ -129,40 +146,10 @@ def _points_to_measure(
     return [point for point, flag in zip(points, wanted.tolist()) if flag]
 
 
-def measure_link_point(
-    point: Point, grid: Grid, device: torch.device, identity: DeviceIdentity, link_class: str
+def _measurement(
+    point: Point, identity: DeviceIdentity, link_class: str, outcome: LinkOutcome, grid: Grid
 ) -> ProfileMeasurement:
-    """Time one point on all ranks; a failure on any rank is recorded by all."""
-    error_line, stats = "", None
-    try:
-        calls = build_link_calls(point, device, grid.timing.input_sets)
-        status = "ok"
-    except Exception as error:  # noqa: BLE001 - recorded; every rank learns of it below
-        status, error_line = classify_failure(error)
-    status = agree_on_status(status, device)
-    if status == "ok":
-        try:
-            stats = measure_link(calls, device, grid.links.timing(grid.timing))
-        except Exception as error:  # noqa: BLE001 - e.g. the backend lacks the collective
-            status, error_line = classify_failure(error)
-        status = agree_on_status(status, device)
-    calls = None
-    if status != "ok":
-        error_line = _first_error_line(error_line)
-    return _measurement(point, identity, link_class, status, error_line, stats)
-
-
-def _first_error_line(own_line: str) -> str:
-    """This rank's error line if it has one, else the first other rank's, named."""
-    lines: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(lines, own_line)
-    if own_line:
-        return own_line
-    rank, line = next(((r, text) for r, text in enumerate(lines) if text), (None, ""))
-    return f"rank {rank}: {line}" if line else "failed on another rank"
-
-
-def _measurement(point, identity, link_class, status, error_line, stats) -> ProfileMeasurement:
+    stats = outcome.stats()
     timings = vars(stats) if stats is not None else {}
     return ProfileMeasurement(
         device_type=identity.device_type,
@@ -171,7 +158,7 @@ def _measurement(point, identity, link_class, status, error_line, stats) -> Prof
         dtype=point.dtype,
         flops=0.0,
         bytes_moved=point.bytes_moved,
-        status=status,
+        status=outcome.status,
         median_s=timings.get("median_s"),
         p10_s=timings.get("p10_s"),
         p90_s=timings.get("p90_s"),
@@ -181,9 +168,13 @@ def _measurement(point, identity, link_class, status, error_line, stats) -> Prof
         cuda_version=identity.cuda_version,
         clocks=identity.clocks,
         link_class=link_class,
-        error=error_line or None,
+        error=outcome.error or None,
         host=identity.host,
-        extra={"backend": dist.get_backend(), "world": dist.get_world_size()},
+        extra={
+            "backend": dist.get_backend(),
+            "world": dist.get_world_size(),
+            "rounds": grid.links.rounds,
+        },
     )
 
 

@@ -12,10 +12,12 @@ from fit_cases import TrueDevice, compute_rows, measurement
 
 from hexiseq.costmodel import FittedCostModel, fit_cost_model
 from hexiseq.costmodel._features import (
+    OP_FEATURES,
+    attention_features,
     computed_masked_fraction,
     measurement_features,
 )
-from hexiseq.flops import attention_flops
+from hexiseq.flops import ATTENTION_BACKWARD_FACTOR, attention_flops
 from hexiseq.profiles import attention_pairs
 
 L2_BYTES, LLC_BYTES = 2 * 1024**2, 64 * 1024**2
@@ -118,6 +120,39 @@ def test_cpu_flash_tiles_compute_masked_pairs_up_to_the_next_key_block(length, c
     assert exact + fraction * (length * length - exact) == pytest.approx(computed_pairs)
     assert computed_masked_fraction(length, length, "cuda_flash") == 1.0
     assert computed_masked_fraction(np.array([length]), np.array([length]), None)[0] == 1.0
+
+
+@pytest.mark.parametrize("op", ["attention_fwd", "attention_bwd"])
+@pytest.mark.parametrize(
+    ("kernel", "causal", "softmax_pairs"),
+    [
+        # the masked pairs of the tiles it computes too: 256 x (512 + 512 + 1024 + 1024)
+        ("cpu_flash", True, 256 * (512 + 512 + 1024 + 1024)),
+        ("cpu_flash", False, 1024 * 1024),
+        ("cuda_flash", True, 1024 * 1025 // 2),  # tiles unknown: the unmasked pairs only
+        (None, False, 1024 * 1024),
+    ],
+)
+def test_pair_heads_count_the_pairs_the_softmax_passes_over(op, kernel, causal, softmax_pairs):
+    heads, head_dim = 4, 64
+    params = {"q_len": 1024, "kv_len": 1024, "heads": heads, "head_dim": head_dim,
+              "causal": causal}  # fmt: skip
+    pairs = attention_pairs(1024, 1024, causal=causal)
+    backward = op == "attention_bwd"
+    flops = attention_flops(pairs, heads, head_dim) * (
+        ATTENTION_BACKWARD_FACTOR if backward else 1
+    )
+    extra = {"kernel": kernel} if kernel else {}
+    row = measurement("cpu", op, params, flops, 0.0, 1.0, extra=extra)
+    fitted = measurement_features(row)
+    assert fitted[OP_FEATURES[op].index("pair_heads")] == softmax_pairs * heads
+    # The prediction side computes the same from the shape, for one block or several.
+    for calls in (1, 3):
+        predicted = attention_features(
+            calls * pairs, heads, head_dim, backward=backward, q_tokens=1024,
+            kv_tokens=1024, calls=calls, element_size=4, kernel=kernel,
+        )  # fmt: skip
+        assert predicted == pytest.approx(tuple(calls * feature for feature in fitted))
 
 
 def test_attention_fit_on_cpu_flash_recovers_the_tile_law():

@@ -35,6 +35,11 @@ def test_full_grid_link_sizes_reach_256_MiB() -> None:
         ("name: x\nlinks: {min_bytes: 1000}\n", "links.min_bytes: must be a power of two"),
         ("name: x\nlinks: {min_bytes: 4096, max_bytes: 1024}\n", "above links.max_bytes"),
         ("name: x\nlinks: {samples: 3}\n", "links.samples"),
+        ("name: x\nlinks: {sizes: [1024, 1020]}\n", "links.sizes: must be a non-empty list"),
+        ("name: x\nlinks: {sizes: []}\n", "links.sizes: must be a non-empty list"),
+        ("name: x\nlinks: {rounds: 0}\n", "links.rounds"),
+        ("name: x\ntiming: {samples: 10}\nlinks: {rounds: 11}\n",
+         "links.rounds (11) is above the samples per link point (10)"),
         ("name: x\ndtypes: {tpu: [float32]}\n", "dtypes.tpu"),
         ("timing: {}\n", "name: required field is missing"),
         ("name: [unclosed\n", "not valid YAML"),
@@ -70,6 +75,14 @@ def test_link_timing_overrides_the_grid_timing(tmp_path: Path) -> None:
     assert grid.timing.samples == 12  # compute points keep the grid's timing
     plain = load_grid(builtin_grid_path(quick=True))
     assert plain.links.timing(plain.timing) == plain.timing
+
+
+def test_link_sizes_listed_replace_the_powers_of_two(tmp_path: Path) -> None:
+    path = tmp_path / "links.yaml"
+    path.write_text("name: x\nlinks: {sizes: [4096, 1024, 4096, 3072]}\n", encoding="utf-8")
+    assert load_grid(path).links.message_sizes() == [1024, 3072, 4096]
+    path.write_text("name: x\nlinks: {min_bytes: 1024, max_bytes: 8192}\n", encoding="utf-8")
+    assert load_grid(path).links.message_sizes() == [1024, 2048, 4096, 8192]
 
 
 def test_benchmark_grid_reaches_past_the_last_level_cache() -> None:

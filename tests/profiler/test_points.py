@@ -12,7 +12,6 @@ from hexiseq.profiler._points import (
     gemm_point,
     gemm_shapes,
     link_points,
-    message_sizes,
 )
 from hexiseq.profiles import attention_pairs
 
@@ -76,7 +75,7 @@ def test_max_gflop_per_call_leaves_out_big_points() -> None:
 def test_link_points_cover_each_op_and_both_p2p_directions() -> None:
     grid = load_grid(builtin_grid_path(quick=False))
     points = link_points(grid, world=4)
-    sizes = message_sizes(1024, 256 * 1024**2)
+    sizes = grid.links.message_sizes()
     assert sizes[0] == 1024 and sizes[-1] == 256 * 1024**2 and len(sizes) == 19
     assert len(points) == len(sizes) * 5  # p2p next + prev, all_to_all, all_gather, reduce_scatter
     all_to_all = next(p for p in points if p.op == "all_to_all")
