@@ -21,7 +21,7 @@ _LAZY = {
     "ComputeSweep": "._sweep",
     "SweepSummary": "._sweep",
     "run_compute_sweep": "._sweep",
-    "measure_point": "._sweep",
+    "measure_family": "._sweep",
     "DeviceIdentity": "._device",
     "describe_device": "._device",
     "parse_device": "._device",

@@ -23,7 +23,7 @@ BUILTIN_GRIDS = ("full", "quick")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DeviceKind = Literal["cpu", "cuda"]
 MIN_SAMPLES = 10  # DESIGN.md §5
-DEFAULT_LINK_ROUNDS = 5  # rounds a link point's samples are spread over (`LinkSpec.rounds`)
+DEFAULT_ROUNDS = 5  # rounds a point's samples are spread over (`TimingSpec.rounds`)
 
 
 class _Strict(BaseModel):
@@ -39,6 +39,11 @@ class TimingSpec(_Strict):
     """Timed calls per point."""
     input_sets: PositiveInt = 3
     """Random input tensors rotated between calls, so no call reads what the last one cached."""
+    rounds: PositiveInt = DEFAULT_ROUNDS
+    """The samples of each point are taken in this many rounds; each round visits every
+    point of an op family (links: of an op) once, in a shuffled order. A slow or fast spell
+    of the machine then spreads over all sizes instead of biasing the few measured during
+    it, which would tilt a fit and its held-out split by size."""
 
 
 class GemmSpec(_Strict):
@@ -97,14 +102,12 @@ class LinkSpec(_Strict):
     gloo on a CPU) are far noisier than compute, and the median of more samples steadier."""
     warmup_s: float | None = Field(None, ge=0.0)
     """Warm-up per link point, if not `timing.warmup_s`."""
-    rounds: int = Field(DEFAULT_LINK_ROUNDS, ge=1)
-    """The samples of each point are taken in this many rounds; each round visits every
-    size of an op once, in a shuffled order. A slow or fast spell of a shared host then
-    spreads over all sizes instead of biasing the few measured during it."""
+    rounds: PositiveInt | None = None
+    """Rounds per link point, if not `timing.rounds`."""
 
     def timing(self, base: TimingSpec) -> TimingSpec:
         """`base` with this spec's link overrides."""
-        changes = {"samples": self.samples, "warmup_s": self.warmup_s}
+        changes = {"samples": self.samples, "warmup_s": self.warmup_s, "rounds": self.rounds}
         return base.model_copy(update={k: v for k, v in changes.items() if v is not None})
 
     def message_sizes(self) -> list[int]:
@@ -170,20 +173,27 @@ def load_grid(path: str | Path) -> Grid:
         grid = Grid.model_validate(document)
     except ValidationError as exc:
         raise InputError(format_validation_error(exc, f"grid file {path}", Grid)) from None
+    _check_rounds(grid.timing, "timing", path)
+    if grid.links is not None:
+        _check_rounds(grid.links.timing(grid.timing), "links", path)
     _check_link_range(grid, path)
     return grid
 
 
-def _check_link_range(grid: Grid, path: str | Path) -> None:
-    if grid.links is None:
-        return
-    samples = grid.links.timing(grid.timing).samples
-    if grid.links.rounds > samples:
+def _check_rounds(timing: TimingSpec, field: str, path: str | Path) -> None:
+    if timing.rounds > timing.samples:
         raise InputError(
-            f"grid file {path}: links.rounds ({grid.links.rounds}) is above the samples per "
-            f"link point ({samples}); each round takes at least one sample"
+            f"grid file {path}: {field}.rounds ({timing.rounds}) is above its samples per point "
+            f"({timing.samples}); each round takes at least one sample"
         )
-    if grid.links.sizes is None and grid.links.min_bytes > grid.links.max_bytes:
+
+
+def _check_link_range(grid: Grid, path: str | Path) -> None:
+    if (
+        grid.links is not None
+        and grid.links.sizes is None
+        and grid.links.min_bytes > grid.links.max_bytes
+    ):
         raise InputError(
             f"grid file {path}: links.min_bytes ({grid.links.min_bytes}) is above "
             f"links.max_bytes ({grid.links.max_bytes})"

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 from ._grid import Grid
 from ._points import DTYPE_BYTES, Point
+from ._rounds import samples_in_round, visiting_order
 from ._sweep import available_memory_bytes, classify_failure
 from ._timing import CpuTimer, CudaTimer, TimingStats, make_timer, summarize
 
@@ -162,18 +162,6 @@ def first_error_line(own_line: str) -> str:
     return f"rank {rank}: {line}" if line else "failed on another rank"
 
 
-def samples_in_round(samples: int, rounds: int, round_index: int) -> int:
-    """`samples` split over `rounds` as evenly as can be, the earlier rounds taking the rest."""
-    return samples // rounds + (1 if round_index < samples % rounds else 0)
-
-
-def visiting_order(count: int, round_index: int) -> list[int]:
-    """Indices 0..count-1 shuffled by a seed every rank shares."""
-    order = list(range(count))
-    random.Random(_SEED + round_index).shuffle(order)
-    return order
-
-
 def measure_link_group(
     points: Sequence[Point],
     grid: Grid,
@@ -182,12 +170,12 @@ def measure_link_group(
 ) -> list[LinkOutcome]:
     """Time `points` (one op, one dtype, ascending size) in the grid's rounds; one outcome
     each. Points whose buffers do not fit are recorded as `oom` and not attempted."""
-    timing, rounds = grid.links.timing(grid.timing), grid.links.rounds
+    timing = grid.links.timing(grid.timing)
     outcomes = [LinkOutcome() for _ in points]
     buffers, kept = _buffers_for_most(points, device, grid.timing.input_sets, outcomes)
     group = _GroupRun(buffers, grid.timing.input_sets, make_timer(device), device)
-    for round_index in range(rounds):
-        count = samples_in_round(timing.samples, rounds, round_index)
+    for round_index in range(timing.rounds):
+        count = samples_in_round(timing.samples, timing.rounds, round_index)
         for index in visiting_order(len(points), round_index):
             if index < kept and outcomes[index].status == "ok":
                 group.visit(index, points[index], outcomes[index], timing.warmup_s, count)

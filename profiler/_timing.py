@@ -106,21 +106,23 @@ def make_timer(device: torch.device, slowdown: float = 1.0) -> CpuTimer | CudaTi
     return CpuTimer(slowdown)
 
 
-def measure(
+def timed_visit(
     timer: CpuTimer | CudaTimer,
     calls: list[Callable[[], object]],
     *,
-    warmup_s: float,
-    samples: int,
-) -> TimingStats:
-    """Warm up for `warmup_s` (at least one call), then time `samples` calls, rotating
-    through `calls` (one per input set) so consecutive calls read different tensors."""
-    warmup_end = time.perf_counter() + warmup_s
-    index = 0
+    warmup_s: float | None,
+    count: int,
+    offset: int = 0,
+) -> list[float]:
+    """One visit of a point: warm up for `warmup_s` (at least one call; None, on a later
+    visit: one untimed call, since other points ran in between), then time `count` calls,
+    rotating through `calls` (one per input set) from `offset` so consecutive calls read
+    different tensors."""
+    index = offset
+    warmup_end = time.perf_counter() + (warmup_s or 0.0)
     while True:
         timer.run(calls[index % len(calls)])
         index += 1
         if time.perf_counter() >= warmup_end:
             break
-    timings_s = [timer.time_call(calls[(index + i) % len(calls)]) for i in range(samples)]
-    return summarize(timings_s)
+    return [timer.time_call(calls[(index + i) % len(calls)]) for i in range(count)]

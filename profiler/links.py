@@ -81,7 +81,8 @@ def run_link_sweep(args: argparse.Namespace, device: torch.device) -> int:
     counts: Counter[str] = Counter()
     run_id = _save_run(store, args, grid, identity) if store and todo else None
     show = args.progress and dist.get_rank() == 0
-    with Progress(len(todo) * grid.links.rounds, f"links {link_class}", enabled=show) as bar:
+    rounds = grid.links.timing(grid.timing).rounds
+    with Progress(len(todo) * rounds, f"links {link_class}", enabled=show) as bar:
         for group in _by_op(todo):
             outcomes = measure_link_group(group, grid, device, on_visit=_advancer(bar))
             for point, outcome in zip(group, outcomes):
@@ -173,7 +174,7 @@ def _measurement(
         extra={
             "backend": dist.get_backend(),
             "world": dist.get_world_size(),
-            "rounds": grid.links.rounds,
+            "rounds": grid.links.timing(grid.timing).rounds,
         },
     )
 

@@ -39,7 +39,9 @@ def test_full_grid_link_sizes_reach_256_MiB() -> None:
         ("name: x\nlinks: {sizes: []}\n", "links.sizes: must be a non-empty list"),
         ("name: x\nlinks: {rounds: 0}\n", "links.rounds"),
         ("name: x\ntiming: {samples: 10}\nlinks: {rounds: 11}\n",
-         "links.rounds (11) is above the samples per link point (10)"),
+         "links.rounds (11) is above its samples per point (10)"),
+        ("name: x\ntiming: {samples: 10, rounds: 12}\n",
+         "timing.rounds (12) is above its samples per point (10)"),
         ("name: x\ndtypes: {tpu: [float32]}\n", "dtypes.tpu"),
         ("timing: {}\n", "name: required field is missing"),
         ("name: [unclosed\n", "not valid YAML"),
@@ -71,7 +73,7 @@ def test_link_timing_overrides_the_grid_timing(tmp_path: Path) -> None:
     )
     grid = load_grid(path)
     timing = grid.links.timing(grid.timing)
-    assert (timing.samples, timing.warmup_s, timing.input_sets) == (40, 0.2, 3)
+    assert (timing.samples, timing.warmup_s, timing.input_sets, timing.rounds) == (40, 0.2, 3, 5)
     assert grid.timing.samples == 12  # compute points keep the grid's timing
     plain = load_grid(builtin_grid_path(quick=True))
     assert plain.links.timing(plain.timing) == plain.timing

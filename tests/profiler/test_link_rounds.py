@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hexiseq.profiler._link_ops import samples_in_round, visiting_order
 from hexiseq.profiler._points import link_point
+from hexiseq.profiler._rounds import samples_in_round, visiting_order
 from hexiseq.profiler.links import _by_op
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ def test_tiny_sweep_writes_one_timed_row_per_point(store: Store, tiny_sweep) -> 
     assert {r.op for r in rows} == set(COMPUTE_OPS)
     for row in rows:
         assert row.status == "ok" and row.error is None
-        assert row.samples >= 10
+        assert row.samples == 10 and row.extra["rounds"] == 5
         assert 0 < row.p10_s <= row.median_s <= row.p90_s
         assert (row.device_type, row.dtype, row.link_class) == ("cpu", "float32", None)
         assert row.device_name and row.host and row.torch_version == torch.__version__
@@ -32,6 +33,38 @@ def test_tiny_sweep_writes_one_timed_row_per_point(store: Store, tiny_sweep) -> 
     kernels = {r.op: r.extra["kernel"] for r in rows}
     assert kernels == {"gemm": "linear", "attention_fwd": "cpu_flash",
                        "attention_bwd": "cpu_flash", "elementwise": "add"}  # fmt: skip
+
+
+def test_each_family_is_timed_in_interleaved_rounds(
+    store: Store, tiny_sweep, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    real_timed_visit, visits = sweep_module.timed_visit, []
+
+    def recording_visit(timer, calls, *, warmup_s, count, offset=0):
+        visits.append((len(calls), warmup_s, count, offset))
+        return real_timed_visit(timer, calls, warmup_s=warmup_s, count=count, offset=offset)
+
+    real_build_calls, builds = sweep_module.build_calls, []
+
+    def recording_build(point, device, input_sets):
+        builds.append(point)
+        return real_build_calls(point, device, input_sets)
+
+    monkeypatch.setattr(sweep_module, "timed_visit", recording_visit)
+    monkeypatch.setattr(sweep_module, "build_calls", recording_build)
+    run_compute_sweep(store, tiny_sweep, max_points=2, show_progress=False)  # the 2 gemms
+    assert len(visits) == 2 * 5  # each point once per round
+    assert [v[1] is None for v in visits] == [False, False] + [True] * 8  # warm-up on the first
+    assert [v[2] for v in visits] == [2] * 10 and [v[3] for v in visits[-2:]] == [8, 8]
+    assert len(builds) == 2  # inputs kept between rounds while they fit the budget
+    rows = store.profile_measurements()
+    assert [r.samples for r in rows] == [10, 10]
+
+    builds.clear()
+    monkeypatch.setattr(sweep_module, "_keep_budget_bytes", lambda device: 0.0)
+    with Store.open(f"sqlite:///{tmp_path / 'rebuilt.db'}") as fresh:
+        run_compute_sweep(fresh, tiny_sweep, max_points=2, show_progress=False)
+    assert len(builds) == 2 * 5  # no budget: rebuilt on every visit
 
 
 def test_flops_of_known_shapes(store: Store, tiny_sweep) -> None:
@@ -76,7 +109,8 @@ def test_interrupted_sweep_keeps_what_it_finished(
     monkeypatch.setattr(sweep_module, "build_calls", interrupt_at_fourth_point)
     with pytest.raises(KeyboardInterrupt):
         run_compute_sweep(store, tiny_sweep, show_progress=False)
-    assert [r.status for r in store.profile_measurements()] == ["ok"] * 3
+    # The gemm family (2 points) was done and written; attention_fwd was being timed.
+    assert [(r.op, r.status) for r in store.profile_measurements()] == [("gemm", "ok")] * 2
     monkeypatch.setattr(sweep_module, "build_calls", real_build_calls)
     run_compute_sweep(store, tiny_sweep, show_progress=False)
     assert len(store.profile_measurements()) == TINY_GRID_POINTS
