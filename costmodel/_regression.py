@@ -7,24 +7,32 @@ as `sample_weight = 1 / t²`. Relative error because times span six orders of ma
 plain fit would ignore every small point.
 
 Links: time = α + bytes / β with α, β >= 0 (the effective bandwidth bytes / time then never
-falls with size), one line per size regime: a second regime is kept only when a knee cuts the
-mean relative error by half (`KNEE_GAIN`). The piecewise model is made monotone at the knee:
-above it, the time never drops below the time just under it.
+falls with size), one line per size regime, up to `MAX_REGIMES`: a link often has three
+(latency-bound small messages, a bandwidth while the buffers sit in a cache or a protocol
+suits them, and the bandwidth of the largest messages, which may be lower). For each count
+the knees minimize the mean squared relative error. The count is chosen for extrapolation,
+the model's use: each count's model fitted on the smaller two thirds of the given points
+predicts the largest third, and the fewest regimes whose error there is within one standard
+error of the best count's win (the one-standard-error rule, Hastie, Tibshirani & Friedman,
+*The Elements of Statistical Learning*, §7.10), so a knee that only follows the timing noise
+is not kept. The piecewise model is made monotone at each knee: above it, the time never
+drops below the time just under it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import combinations, pairwise
 
 import numpy as np
 
 MIN_REGIME_POINTS = 4
 """Points on each side of a knee (an α–β line needs a few more than its two parameters)."""
-KNEE_GAIN = 0.5
-"""A knee must bring the mean relative error below this fraction of the one-line fit's
-(four parameters fit noise better than two: a third less error is what 2 % noise alone
-gives on a straight line of 17 sizes)."""
+MAX_REGIMES = 3
+"""Most α–β lines a link model is cut into."""
+TIE_ERROR = 1e-6
+"""Mean relative errors closer than this are ties (round-off on exact data)."""
 
 
 def fit_relative_nnls(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:
@@ -127,24 +135,86 @@ def _line_seconds(regime: Regime, bytes_moved: np.ndarray) -> np.ndarray:
 
 
 def fit_link(bytes_moved: np.ndarray, seconds: np.ndarray) -> tuple[Regime, ...]:
-    """One or two α–β regimes (see the module docstring); the knee, if any, is the split of the
-    points sorted by size that minimizes the mean relative error of the piecewise model."""
+    """One to `MAX_REGIMES` α–β regimes (see the module docstring): as many as
+    `regime_count` finds, split at the knees that minimize the mean squared relative error
+    of the piecewise model on all the given points."""
     order = np.argsort(bytes_moved, kind="stable")
     sizes, times = bytes_moved[order], seconds[order]
-    one_line = (_line(sizes, times, 0.0),)
-    one_line_error = _mean_error(one_line, sizes, times)
-    best, best_error = one_line, one_line_error
-    for split in range(MIN_REGIME_POINTS, len(sizes) - MIN_REGIME_POINTS + 1):
-        if sizes[split] == sizes[split - 1]:
-            continue  # a knee falls between two sizes
-        regimes = (
-            _line(sizes[:split], times[:split], 0.0),
-            _line(sizes[split:], times[split:], float(sizes[split])),
-        )
-        error = _mean_error(regimes, sizes, times)
-        if error < best_error:
-            best, best_error = regimes, error
-    return best if best_error < KNEE_GAIN * one_line_error else one_line
+    model = _best_model(sizes, times, regime_count(sizes, times))
+    return model if model is not None else (_line(sizes, times, 0.0),)
+
+
+def regime_count(sizes: np.ndarray, times: np.ndarray) -> int:
+    """How many regimes extrapolate best (`sizes` ascending): each count's best model on
+    the smaller two thirds predicts the largest third; the fewest regimes within one
+    standard error of the lowest mean relative error there. 1 with too few points."""
+    fit_part, check_part = extrapolation_split(sizes)
+    errors = {}
+    for count in range(1, MAX_REGIMES + 1):
+        model = _best_model(sizes[fit_part], times[fit_part], count)
+        if model is not None:
+            predicted = predict_link(model, sizes[check_part])
+            errors[count] = relative_errors(predicted, times[check_part])
+    if not errors:
+        return 1
+    best = min(errors, key=lambda count: float(np.mean(errors[count])))
+    spread = errors[best]
+    standard_error = (
+        float(np.std(spread, ddof=1) / np.sqrt(len(spread))) if len(spread) > 1 else 0.0
+    )
+    limit = float(np.mean(spread)) + max(standard_error, TIE_ERROR)
+    return min(count for count, error in errors.items() if float(np.mean(error)) <= limit)
+
+
+def extrapolation_split(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Indices of the smallest two thirds (train) and the largest third (test, at least one
+    point) of `sizes`, by a stable sort: every test size >= every train size."""
+    order = np.argsort(sizes, kind="stable")
+    test_count = max(1, len(order) // 3)
+    return order[: len(order) - test_count], order[len(order) - test_count :]
+
+
+def _best_model(sizes: np.ndarray, times: np.ndarray, count: int) -> tuple[Regime, ...] | None:
+    """The `count` regimes (`sizes` ascending) whose knees minimize the mean squared relative
+    error; None when too few points for that many."""
+    lines = _SegmentLines(sizes, times)
+    models = [lines.model(knees) for knees in _knee_sets(sizes, count - 1)]
+    return min(models, key=lambda model: model[1])[0] if models else None
+
+
+def _knee_sets(sizes: np.ndarray, count: int):
+    """Every increasing tuple of `count` split indices leaving `MIN_REGIME_POINTS` points in
+    each regime, splitting only between two different sizes."""
+    splits = [
+        index
+        for index in range(MIN_REGIME_POINTS, len(sizes) - MIN_REGIME_POINTS + 1)
+        if sizes[index] != sizes[index - 1]
+    ]
+    for knees in combinations(splits, count):
+        bounds = (0, *knees, len(sizes))
+        if all(high - low >= MIN_REGIME_POINTS for low, high in pairwise(bounds)):
+            yield knees
+
+
+class _SegmentLines:
+    """The α–β line of each run of points, fitted once however many models share it."""
+
+    def __init__(self, sizes: np.ndarray, times: np.ndarray) -> None:
+        self.sizes, self.times = sizes, times
+        self._lines: dict[tuple[int, int], Regime] = {}
+
+    def line(self, low: int, high: int) -> Regime:
+        if (low, high) not in self._lines:
+            from_bytes = float(self.sizes[low]) if low else 0.0
+            self._lines[low, high] = _line(self.sizes[low:high], self.times[low:high], from_bytes)
+        return self._lines[low, high]
+
+    def model(self, knees: tuple[int, ...]) -> tuple[tuple[Regime, ...], float]:
+        """The regimes split at `knees`, and their mean squared relative error."""
+        bounds = (0, *knees, len(self.sizes))
+        regimes = tuple(self.line(low, high) for low, high in pairwise(bounds))
+        residuals = (predict_link(regimes, self.sizes) - self.times) / self.times
+        return regimes, float(np.mean(residuals**2))
 
 
 def _line(sizes: np.ndarray, times: np.ndarray, from_bytes: float) -> Regime:
@@ -152,7 +222,3 @@ def _line(sizes: np.ndarray, times: np.ndarray, from_bytes: float) -> Regime:
         np.column_stack([np.ones_like(sizes), sizes]), times
     )
     return Regime(from_bytes, float(latency_s), float(seconds_per_byte))
-
-
-def _mean_error(regimes: tuple[Regime, ...], sizes: np.ndarray, times: np.ndarray) -> float:
-    return float(np.mean(relative_errors(predict_link(regimes, sizes), times)))

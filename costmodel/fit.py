@@ -45,6 +45,7 @@ from hexiseq.costmodel._fit_document import (
     SourceRun,
 )
 from hexiseq.costmodel._regression import (
+    extrapolation_split,
     fit_effective_capacity,
     fit_link,
     fit_relative_nnls,
@@ -109,14 +110,6 @@ def fit_cost_model(
         links=tuple(_fit_link_families(links)),
         skipped=tuple(skipped),
     )
-
-
-def extrapolation_split(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Indices of the smallest two thirds (train) and the largest third (test, at least one
-    point) of `sizes`, by a stable sort: every test size >= every train size."""
-    order = np.argsort(sizes, kind="stable")
-    test_count = max(1, len(order) // 3)
-    return order[: len(order) - test_count], order[len(order) - test_count :]
 
 
 def _as_sources(sources) -> list[ProfileSource]:

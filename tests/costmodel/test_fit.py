@@ -197,3 +197,33 @@ def test_monotone_at_a_knee_where_the_second_line_starts_lower():
     regimes = fit_link(sizes, seconds)
     assert len(regimes) == 2
     assert np.all(np.diff(predict_link(regimes, np.geomspace(1e3, 1e8, 4000))) >= 0)
+
+
+def test_three_regimes_of_a_loopback_link_are_found_and_extrapolate():
+    # Latency-bound small messages (0.3 GB/s), 1.6 GB/s while the buffers fit a cache, 1.2
+    # GB/s from 8 MiB on; sizes as benchmarks/grids/costmodel_cpu.yaml places them, each in
+    # both ring directions: two knees, and the largest third predicted within the noise.
+    rng = np.random.default_rng(11)
+    sizes = [2**e for e in range(10, 23, 2)] + [2**e * m for e in range(23, 30) for m in (1, 1.5)]
+    rows = []
+    for size, direction in ((s, d) for s in sizes[:-1] for d in ("next", "prev")):
+        if size < 2**18:
+            true_s = 1.5e-4 + size / 0.3e9
+        elif size < 2**23:
+            true_s = 2.4e-4 + size / 1.6e9
+        else:
+            true_s = size / 1.2e9
+        seconds = true_s * float(np.exp(rng.normal(0.0, 0.02)))
+        params = {"world": 2, "message_bytes": int(size), "direction": direction}
+        rows.append(measurement("cpu", "p2p", params, 0.0, float(size), seconds,
+                                link_class="intra:cpu"))  # fmt: skip
+    (fit,) = fit_cost_model(rows).links
+    knees = [regime.from_bytes for regime in fit.regimes]
+    assert len(knees) == 3 and 2**16 <= knees[1] <= 2**18 and 2**22 <= knees[2] <= 2**23
+    assert 1 / (fit.regimes[-1].seconds_per_byte * 1e9) == pytest.approx(1.2, rel=0.05)
+    assert fit.heldout.extrapolation_mape < 0.05
+    few = rows[:6]  # too few points for a knee: one line
+    assert (
+        len(fit_link(np.array([r.bytes_moved for r in few]), np.array([r.median_s for r in few])))
+        == 1
+    )
