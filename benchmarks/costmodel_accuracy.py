@@ -19,6 +19,8 @@ the training two thirds already hold out-of-cache sizes):
 
 It prints the table and updates the "Cost-model accuracy" section of benchmarks/RESULTS.md
 (`--no-write`: print only); `--profiled-by` (repeatable) records the profile commands there.
+`--repeat-store URL` (repeatable): stores of independent repeats of the same profile commands;
+their extrapolation errors are listed beside the main store's, with the worst of all runs.
 """
 
 from __future__ import annotations
@@ -52,10 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         metavar="COMMAND",
         help="a command that profiled the store, recorded in RESULTS.md (repeatable)",
     )
+    parser.add_argument(
+        "--repeat-store",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a store of an independent repeat of the same profile (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
-        with Store.open(args.store) as store:
-            sources = read_profile_sources(store)
+        sources = _read_sources(args.store)
+        repeats = [fit_cost_model(_read_sources(url)) for url in args.repeat_store]
     except HexiseqError as error:
         print(f"costmodel_accuracy: {error}", file=sys.stderr)
         return 2
@@ -63,11 +72,43 @@ def main(argv: list[str] | None = None) -> int:
     spreads = timing_spreads(sources)
     print(format_heldout_table(document))
     rows = markdown_rows(document, spreads)
+    repeat_lines = repeat_table([document, *repeats]) if repeats else []
+    print("\n".join(["", *repeat_lines]))
     print("\n" + reading(document, spreads))
     if not args.no_write:
-        text = section(document, sources, rows, spreads, argv, args.store, args.profiled_by)
+        text = section(document, sources, rows, spreads, argv, args.store, args.profiled_by,
+                       repeat_lines)  # fmt: skip
         replace_section(SECTION, text)
     return 0
+
+
+def _read_sources(url: str) -> list[ProfileSource]:
+    with Store.open(url) as store:
+        return read_profile_sources(store)
+
+
+def repeat_table(documents: list[FittedDocument]) -> list[str]:
+    """Markdown: each 1x compute and link family's extrapolation MAPE in every run (the main
+    store first), and the worst of them against the goal."""
+    runs: dict[tuple, list[float | None]] = {}
+    goals: dict[tuple, float] = {}
+    for index, document in enumerate(documents):
+        fits = [f for f in document.ops if f.emulation_slowdown == 1.0]
+        for fit in [*fits, *document.links]:
+            name = (getattr(fit, "link_class", None) or f"{fit.device_type} ({fit.dtype})", fit.op)
+            goals[name] = LINK_GOAL_MAPE if hasattr(fit, "link_class") else COMPUTE_GOAL_MAPE
+            runs.setdefault(name, [None] * len(documents))[index] = fit.heldout.extrapolation_mape
+    headers = ["device / link", "op", *(f"run {i + 1}" for i in range(len(documents))), "worst"]
+    lines = ["Repeats (run 1: the store above; each run an independent profile with the same "
+             "commands), extrapolation MAPE:", "", "| " + " | ".join(headers) + " |",
+             "|---|---|" + "---:|" * (len(documents) + 1)]  # fmt: skip
+    for (device, op), mapes in runs.items():
+        known = [m for m in mapes if m is not None]
+        worst = max(known) if len(known) == len(mapes) else None
+        met = "met" if worst is not None and worst <= goals[device, op] else "**missed**"
+        cells = [device, op, *(_pct(m) for m in mapes), f"{_pct(worst)} ({met})"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def timing_spreads(sources: list[ProfileSource]) -> dict[tuple, float]:
@@ -215,7 +256,9 @@ def _profile_command_lines(commands) -> list[str]:
     return ["", "Profiled with:", "", *(f"- `{command}`" for command in commands)]
 
 
-def section(document, sources, rows, spreads, argv, store_url, profiled_by=()) -> str:
+def section(
+    document, sources, rows, spreads, argv, store_url, profiled_by=(), repeat_lines=()
+) -> str:
     command = shlex.join([".venv/bin/python", "benchmarks/costmodel_accuracy.py", *(argv or [])])
     machine = (
         f"{os.cpu_count()} CPU cores, {platform.machine()}, Python {platform.python_version()}"
@@ -239,6 +282,7 @@ def section(document, sources, rows, spreads, argv, store_url, profiled_by=()) -
             "|---|---|---:|---:|---:|---:|---:|---|---:|---|",
             *rows,
             "",
+            *repeat_lines,
             *_emulation_lines(document),
             *_hardware_lines(document, sources),
             f"Profile runs {runs}, on {', '.join(devices)}; store `{store_url}`. "
