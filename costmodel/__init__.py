@@ -9,11 +9,17 @@ elsewhere). `estimate_memory` is the closed-form per-rank memory model (DESIGN.m
 
 from hexiseq.costmodel._fit_document import FittedDocument
 from hexiseq.costmodel._heldout_table import format_heldout_table
+from hexiseq.costmodel._memory_fit import RuntimeSource
 from hexiseq.costmodel.base import CostModel
 from hexiseq.costmodel.datasheet import DATASHEET_LABEL, DatasheetCostModel
 from hexiseq.costmodel.fit import ProfileSource, fit_cost_model
 from hexiseq.costmodel.fitted import FittedCostModel
-from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, memory_limit_bytes
+from hexiseq.costmodel.memory import (
+    MemoryBreakdown,
+    MemoryCalibration,
+    estimate_memory,
+    memory_limit_bytes,
+)
 from hexiseq.costmodel.simulator import RankTime, StepPrediction, simulate_step
 
 __all__ = [
@@ -23,8 +29,10 @@ __all__ = [
     "FittedCostModel",
     "FittedDocument",
     "MemoryBreakdown",
+    "MemoryCalibration",
     "ProfileSource",
     "RankTime",
+    "RuntimeSource",
     "StepPrediction",
     "estimate_memory",
     "fit_cost_model",

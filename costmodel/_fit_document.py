@@ -18,9 +18,10 @@ from hexiseq.errors import InputError
 from hexiseq.profiles import COMPUTE_OPS, LINK_OPS
 
 DOCUMENT_FORMAT = "hexiseq.fitted_cost_model"
-DOCUMENT_SCHEMA_VERSION = 2
-"""2 added the cache terms (gemm, elementwise), `cache_bytes` and `attention_kernel`;
-version 1 documents are still read, their fits upgraded to today's features (cache terms 0)."""
+DOCUMENT_SCHEMA_VERSION = 3
+"""2 added the cache terms (gemm, elementwise), `cache_bytes` and `attention_kernel`; 3 added
+the memory calibrations (`memory`). Version 1 documents are still read, their fits upgraded
+to today's features (cache terms 0); versions 1 and 2 have no memory calibration."""
 
 
 class _Strict(BaseModel):
@@ -125,6 +126,23 @@ class LinkFit(_Strict):
         return self
 
 
+class MemoryFit(_Strict):
+    """The memory model calibrated against measured peaks for one device type: measured ≈
+    `reserve_bytes` + `scale` x (modelled peak - modelled reserve)."""
+
+    device_type: str = Field(min_length=1)
+    memory_measure: Literal["cuda_max_allocated", "cpu_max_rss"]
+    reserve_bytes: float = Field(ge=0)
+    scale: float = Field(ge=0)
+    points: int = Field(ge=1)
+    fit_mape: float = Field(ge=0)
+    size_range: tuple[float, float]
+    """Smallest and largest modelled peak (without reserve) of the points, bytes."""
+    source_runs: tuple[int, ...] = ()
+    """The runtime runs (`hexiseq run`) the points came from."""
+    heldout: HeldOut
+
+
 class SourceRun(_Strict):
     """A profile run the fit read (run_id None: measurements given without a run)."""
 
@@ -145,13 +163,14 @@ class FittedDocument(_Strict):
     """The whole fit session: every fit, where the points came from, what was skipped."""
 
     format: Literal["hexiseq.fitted_cost_model"] = DOCUMENT_FORMAT
-    schema_version: Literal[1, 2] = DOCUMENT_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = DOCUMENT_SCHEMA_VERSION
     created_at: str
     versions: dict[str, str]
     loss: str
     sources: tuple[SourceRun, ...]
     ops: tuple[OpFit, ...]
     links: tuple[LinkFit, ...]
+    memory: tuple[MemoryFit, ...] = ()
     skipped: tuple[Skipped, ...] = ()
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hexiseq.costmodel._fit_document import FittedDocument, HeldOut, LinkFit, OpFit
+from hexiseq.costmodel._fit_document import FittedDocument, HeldOut, LinkFit, MemoryFit, OpFit
 from hexiseq.report import format_table
 
 COMPUTE_GOAL_MAPE = 0.05
@@ -29,6 +29,7 @@ def format_heldout_table(document: FittedDocument) -> str:
     the leave-one-device-type-out error and whether the goal is met; then the emulation
     checks and what was not fitted."""
     rows = [_op_row(fit) for fit in document.ops] + [_link_row(fit) for fit in document.links]
+    rows += [_memory_row(fit) for fit in document.memory]
     if not rows:
         return "no family had enough ok points to fit" + _skipped_lines(document)
     table = format_table(_HEADERS, rows, right={3, 4, 5, 6, 7})
@@ -56,16 +57,22 @@ def _link_row(fit: LinkFit) -> list[str]:
     ]
 
 
-def _error_cells(points: int, heldout: HeldOut, goal: float) -> list[str]:
+def _memory_row(fit: MemoryFit) -> list[str]:
+    calibration = f"memory peak ({fit.memory_measure}: {fit.reserve_bytes / 2**20:,.0f} MiB"
+    calibration += f" + {fit.scale:.2f} x model)"
+    return [fit.device_type, calibration, "-", "-", *_error_cells(fit.points, fit.heldout, None)]
+
+
+def _error_cells(points: int, heldout: HeldOut, goal: float | None) -> list[str]:
     mape = heldout.extrapolation_mape
-    met = "met" if mape is not None and mape <= goal else "MISSED"
+    met = "met" if mape is not None and goal is not None and mape <= goal else "MISSED"
     return [
         str(points),
         f"{heldout.train_points}/{heldout.test_points}",
         _percent(mape),
         _percent(heldout.extrapolation_max_error),
         _lodo_cell(heldout),
-        f"≤ {100 * goal:g} %: {met}",
+        f"≤ {100 * goal:g} %: {met}" if goal is not None else "-",
     ]
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     from hexiseq.cluster import Cluster
+    from hexiseq.costmodel.memory import MemoryCalibration
 
 FloatOrArray = float | np.ndarray
 """A number, or a numpy array of numbers; cost-model methods broadcast over arrays."""
@@ -25,9 +27,6 @@ class CostModel(Protocol):
     The keyword-only arguments after `*` say more about the work for backends that can use it
     (a fitted model's bytes and per-call terms); a backend may ignore them. Sums: `flops` and
     `bytes_moved` are totals over `calls` kernel launches of the same kind.
-
-    A backend written before `link_parameters` existed (it lacks the method) still works in
-    the simulator: it gets the cluster's declared links and none of the keywords.
     """
 
     def label(self, gpu: str) -> str:
@@ -82,3 +81,13 @@ class CostModel(Protocol):
         """[node, node] bandwidth (GB/s, one direction, per GPU) and per-message latency (s)
         of the links between the nodes of `cluster`, as `transfer_time_s` takes them."""
         ...
+
+    def memory_calibration(self, gpu: str) -> MemoryCalibration | None:
+        """The memory model's calibration for `gpu` from measured peaks; None: uncalibrated."""
+        ...
+
+
+def memory_calibrations(cost: CostModel, gpus: Iterable[str]) -> dict[str, MemoryCalibration]:
+    """`gpu` -> its calibration, for the `gpus` the cost model has one for."""
+    found = {gpu: cost.memory_calibration(gpu) for gpu in set(gpus)}
+    return {gpu: calibration for gpu, calibration in found.items() if calibration is not None}

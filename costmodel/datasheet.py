@@ -84,6 +84,10 @@ class DatasheetCostModel:
         is applied in `transfer_time_s`, not here."""
         return declared_link_parameters(cluster)
 
+    def memory_calibration(self, gpu: str) -> None:
+        """None: the datasheet model has no measured peaks."""
+        return None
+
 
 def declared_link_parameters(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
     """[node, node] bandwidth (GB/s) and latency (s), as `Cluster.link_GBps` / `link_latency_s`

@@ -4,11 +4,13 @@
 - per (device type, op family, dtype, emulation slowdown) an op-time regression that
   extrapolates: time = a·FLOPs + b·bytes + c·calls, non-negative, relative-error loss
   (`hexiseq.costmodel._regression`); the final coefficients use every point;
-- per (link class, op) α + bytes/β, one or two size regimes;
+- per (link class, op) α + bytes/β, one to three size regimes;
 - held-out errors of each: extrapolation (fit on the smallest two thirds by size, predict the
   largest third: mean and max relative error) and, for compute, leave-one-device-type-out
   (predict the type's points from another profiled type's fit scaled by datasheet ratios);
-- for emulated slow devices, the ratio of their fit to the 1x fit of the same device.
+- for emulated slow devices, the ratio of their fit to the 1x fit of the same device;
+- given runtime runs, the memory model calibrated per device type against the measured
+  peaks (`hexiseq.costmodel._memory_fit`).
 Rows whose status is not `ok` are skipped; a family with fewer than `MIN_POINTS` points is
 not fitted (listed under `skipped`), and its device type falls back to the datasheet model.
 """
@@ -44,6 +46,7 @@ from hexiseq.costmodel._fit_document import (
     Skipped,
     SourceRun,
 )
+from hexiseq.costmodel._memory_fit import RuntimeSource, fit_memory, memory_points
 from hexiseq.costmodel._regression import (
     extrapolation_split,
     fit_effective_capacity,
@@ -88,11 +91,13 @@ class _Points:
 def fit_cost_model(
     sources: Sequence[ProfileSource] | Sequence[ProfileMeasurement],
     *,
+    runtime_runs: Sequence[RuntimeSource] = (),
     created_at: datetime | None = None,
 ) -> FittedDocument:
     """Fit every family the measurements hold; see the module docstring.
 
-    `sources`: profile runs, or bare measurements (one source without a run id).
+    `sources`: profile runs, or bare measurements (one source without a run id);
+    `runtime_runs`: runs whose measured peaks calibrate the memory model.
     Never raises for thin data: what cannot be fitted is listed in the document's `skipped`.
     """
     runs = _as_sources(sources)
@@ -101,6 +106,8 @@ def fit_cost_model(
     compute = _group(rows, lambda m: m.op in COMPUTE_OPS, _compute_key, skipped)
     links = _group(rows, lambda m: m.op in LINK_OPS, _link_key, skipped)
     ops = _with_lodo(_fit_compute_families(compute))
+    memory, memory_skipped = fit_memory(memory_points(runtime_runs))
+    skipped += memory_skipped
     return FittedDocument(
         created_at=(created_at or datetime.now(timezone.utc)).isoformat(),
         versions=_versions(),
@@ -108,6 +115,7 @@ def fit_cost_model(
         sources=tuple(_describe_source(run) for run in runs),
         ops=tuple(_with_emulation_checks(ops)),
         links=tuple(_fit_link_families(links)),
+        memory=tuple(memory),
         skipped=tuple(skipped),
     )
 

@@ -17,6 +17,9 @@ Choices, and why:
   are preferred (the ring is p2p), then all_to_all, all_gather, reduce_scatter. The simulator
   takes one (bandwidth, latency) per pair, so the regime of the largest messages is used.
   Unmeasured pairs get the cluster's declared numbers x the datasheet link efficiency.
+- Memory: where runtime runs measured a device type's peaks, its `MemoryFit` calibrates the
+  memory model (`memory_calibration`): the measure a run on that device reads
+  (`cpu_max_rss` for `cpu`, `cuda_max_allocated` for a GPU); elsewhere the model as written.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from hexiseq.costmodel._fit_document import (
 )
 from hexiseq.costmodel.base import FloatOrArray
 from hexiseq.costmodel.datasheet import DatasheetCostModel, declared_link_parameters
+from hexiseq.costmodel.memory import MemoryCalibration
 from hexiseq.profiles import COMPUTE_OPS
 
 LINK_OP_PREFERENCE = ("p2p", "all_to_all", "all_gather", "reduce_scatter")
@@ -163,6 +167,21 @@ class FittedCostModel:
             if intra is not None:
                 bandwidth[i, i], latency[i, i] = _link_numbers(intra)
         return bandwidth, latency
+
+    def memory_calibration(self, gpu: str) -> MemoryCalibration | None:
+        """The memory model calibrated by `gpu`'s measured peaks, or None (not measured)."""
+        measure = "cpu_max_rss" if gpu == "cpu" else "cuda_max_allocated"
+        fit = next(
+            (
+                f
+                for f in self.document.memory
+                if (f.device_type, f.memory_measure) == (gpu, measure)
+            ),
+            None,
+        )
+        if fit is None:
+            return None
+        return MemoryCalibration(reserve_bytes=int(round(fit.reserve_bytes)), scale=fit.scale)
 
     def link_label(self, link_class: str) -> str:
         """ "measured (p2p)" for a profiled link class, else "declared x link efficiency"."""

@@ -10,11 +10,16 @@ its attention phase (the MLP activations freed; dq/dk/dv and the ring's travelli
 The logits live between the last layer's forward and the LM head's backward, when no layer
 is being recomputed, so they never coexist with a layer's working set. Each term's source is
 in its function's docstring. Everything is in bytes.
+
+Where peaks were measured (`hexiseq run` records each rank's), a fitted cost model carries a
+`MemoryCalibration` per device type: the measured peak ≈ reserve + scale x (the model's peak
+without its reserve), fitted by `hexiseq fit`. `rank_memory` applies it term by term (every
+term scaled, the reserve replaced), so the terms still add up and stay affine in the tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from hexiseq.catalog import GiB
@@ -23,12 +28,25 @@ from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 
 MEMORY_LIMIT_FRACTION = 0.95
-# CUDA context (~0.5 GiB on Hopper), NCCL channel buffers and caching-allocator fragmentation.
-# An assumption to be calibrated against measured peaks (issue 5).
+# CUDA context (~0.5 GiB on Hopper), NCCL channel buffers and caching-allocator fragmentation:
+# an assumption where no peak was measured (a `MemoryCalibration` replaces it).
 GPU_RESERVE_BYTES = 2 * GiB
 CPU_RESERVE_BYTES = GiB // 4
 LOGITS_BYTES_PER_ELEMENT = 6  # BF16 logits + their FP32 upcast for a stable cross-entropy
 FP32 = 4
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryCalibration:
+    """Measured peak ≈ `reserve_bytes` + `scale` x (modelled peak - modelled reserve), for one
+    device type: the framework's fixed footprint as measured, and how the measured growth
+    with the work compares with the model's terms (allocator rounding, temporaries)."""
+
+    reserve_bytes: int
+    scale: float
+
+    def term(self, modelled_bytes: int) -> int:
+        return int(round(self.scale * modelled_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,21 +152,41 @@ def estimate_memory(
     train: TrainSpec,
     layout: AttentionLayout,
     state_fractions: Sequence[float] | None = None,
+    calibrations: Mapping[str, MemoryCalibration] | None = None,
 ) -> list[MemoryBreakdown]:
     """Peak memory of every rank under `layout`, with model states sharded by `state_fractions`
-    (even when None). Returns one `MemoryBreakdown` per rank."""
+    (even when None), calibrated per device type where `calibrations` has one. Returns one
+    `MemoryBreakdown` per rank."""
     fractions = state_fractions or even_state_fractions(layout.world_size)
+    calibrations = calibrations or {}
     return [
-        rank_memory(model, train, shape, fraction)
-        for shape, fraction in zip(rank_shapes(cluster, layout), fractions)
+        rank_memory(model, train, shape, fraction, calibrations.get(device.gpu))
+        for shape, fraction, device in zip(
+            rank_shapes(cluster, layout), fractions, cluster.devices
+        )
     ]
 
 
 def rank_memory(
-    model: ModelSpec, train: TrainSpec, shape: RankShape, state_fraction: float
+    model: ModelSpec,
+    train: TrainSpec,
+    shape: RankShape,
+    state_fraction: float,
+    calibration: MemoryCalibration | None = None,
 ) -> MemoryBreakdown:
     """Peak memory of one rank of the given shape, by term. Every term is affine in the
-    shape's token counts and in `state_fraction` (the planner's MILP relies on it)."""
+    shape's token counts and in `state_fraction` (the planner's MILP relies on it), with a
+    `calibration` too."""
+    modelled = _modelled_memory(model, train, shape, state_fraction)
+    if calibration is None:
+        return modelled
+    terms = {name: calibration.term(value) for name, value in asdict(modelled).items()}
+    return MemoryBreakdown(**(terms | {"reserve": calibration.reserve_bytes}))
+
+
+def _modelled_memory(
+    model: ModelSpec, train: TrainSpec, shape: RankShape, state_fraction: float
+) -> MemoryBreakdown:
     return MemoryBreakdown(
         model_states=model_state_bytes(model, train, state_fraction),
         sharding_buffers=sharding_buffer_bytes(model, train),

@@ -41,7 +41,7 @@ from hexiseq.costmodel._state import (
     per_gpu_type,
 )
 from hexiseq.costmodel._traffic import FP32
-from hexiseq.costmodel.base import CostModel
+from hexiseq.costmodel.base import CostModel, memory_calibrations
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, even_state_fractions
 from hexiseq.flops import head_flops_per_token
 from hexiseq.layout import AttentionLayout
@@ -293,8 +293,9 @@ def _optimizer(context: SimContext, fractions: list[float]) -> Ledger:
 def _prediction(
     context: SimContext, ledger: Ledger, step_time_s: float, fractions: list[float]
 ) -> StepPrediction:
+    calibrations = memory_calibrations(context.cost, context.gpus)
     memory = estimate_memory(
-        context.cluster, context.model, context.train, context.layout, fractions
+        context.cluster, context.model, context.train, context.layout, fractions, calibrations
     )
     capacity = tuple(gpu_spec(gpu).memory_bytes for gpu in context.gpus)
     columns = [ledger.parts[key].tolist() for key in BREAKDOWN_KEYS]

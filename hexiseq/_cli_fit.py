@@ -11,7 +11,7 @@ from hexiseq.errors import InputError
 from hexiseq.store import DEFAULT_STORE_URL
 
 if TYPE_CHECKING:
-    from hexiseq.costmodel import CostModel, FittedDocument, ProfileSource
+    from hexiseq.costmodel import CostModel, FittedDocument, ProfileSource, RuntimeSource
     from hexiseq.store import Store
 
 COST_MODEL_CHOICES = ("auto", "datasheet", "fitted")
@@ -63,12 +63,13 @@ def run_fit(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_profile_sources(store: Store) -> list[ProfileSource]:
-    """Every profile run of `store` with its measurements; InputError if there is none."""
+def read_profile_sources(store: Store, *, required: bool = True) -> list[ProfileSource]:
+    """Every profile run of `store` with its measurements; InputError if there is none and
+    `required`."""
     from hexiseq.costmodel import ProfileSource
 
     runs = store.profile_measurements_by_run()
-    if not runs:
+    if not runs and required:
         raise InputError(
             f"store {store.url} holds no profile measurements; run `hexiseq profile "
             f"--device cpu --quick --store {store.url}` first"
@@ -79,12 +80,22 @@ def read_profile_sources(store: Store) -> list[ProfileSource]:
     ]
 
 
+def read_runtime_sources(store: Store) -> list[RuntimeSource]:
+    """Every runtime run of `store` with each rank's peak memory (calibrates memory)."""
+    from hexiseq.costmodel import RuntimeSource
+
+    return [RuntimeSource(*run) for run in store.runtime_peaks()]
+
+
 def fit_store_profiles(store: Store) -> FittedDocument:
-    """Fit every ok measurement of `store`; InputError when no family has enough points."""
+    """Fit every ok measurement of `store` and calibrate memory by its runtime runs;
+    InputError when it holds neither, or no family has enough points."""
     from hexiseq.costmodel import fit_cost_model
 
-    document = fit_cost_model(read_profile_sources(store))
-    if not document.ops and not document.links:
+    runtime_runs = read_runtime_sources(store)
+    profiles = read_profile_sources(store, required=not runtime_runs)
+    document = fit_cost_model(profiles, runtime_runs=runtime_runs)
+    if not document.ops and not document.links and not document.memory:
         reasons = "; ".join(f"{s.what}: {s.reason}" for s in document.skipped[:3])
         ok_rows = sum(source.ok_rows for source in document.sources)
         raise InputError(

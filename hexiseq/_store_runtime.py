@@ -6,7 +6,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Boolean, DateTime, Float, ForeignKey, Integer, String, Text, select
+from sqlalchemy import (
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    func,
+    select,
+)
 from sqlalchemy.orm import Mapped, mapped_column
 
 from hexiseq._store_base import StoreBase, check_optional_metric, check_plan_fields, utc_now
@@ -162,6 +172,36 @@ class RuntimeTables:
         columns = [c.name for c in RuntimeRunRow.__table__.columns if c.name != "plan_json"]
         with self._session() as session:
             return [{c: getattr(row, c) for c in columns} for row in session.scalars(query)]
+
+    def runtime_peaks(self) -> list[tuple[int, str, list[tuple[int, str, int]]]]:
+        """Every runtime run with measurements, oldest first: (run id, the plan JSON it ran,
+        [(rank, memory measure, the rank's largest peak over the run's steps)])."""
+        peak = func.max(RuntimeMeasurementRow.peak_memory_bytes)
+        query = (
+            select(
+                RuntimeMeasurementRow.run_id,
+                RuntimeMeasurementRow.rank,
+                RuntimeMeasurementRow.memory_measure,
+                peak,
+            )  # fmt: skip
+            .group_by(
+                RuntimeMeasurementRow.run_id,
+                RuntimeMeasurementRow.rank,
+                RuntimeMeasurementRow.memory_measure,
+            )  # fmt: skip
+            .order_by(RuntimeMeasurementRow.run_id, RuntimeMeasurementRow.rank)
+        )
+        with self._session() as session:
+            peaks: dict[int, list[tuple[int, str, int]]] = {}
+            for run_id, rank, measure, largest in session.execute(query):
+                peaks.setdefault(run_id, []).append((rank, measure, int(largest)))
+            plans = session.execute(
+                select(RuntimeRunRow.id, RuntimeRunRow.plan_json).where(
+                    RuntimeRunRow.id.in_(list(peaks))
+                )
+            )
+            plan_of = dict(plans.all())
+        return [(run_id, plan_of[run_id], ranks) for run_id, ranks in peaks.items()]
 
     def runtime_measurements(self, run_id: int) -> list[RuntimeMeasurement]:
         """The measurements of run `run_id`, by step then rank."""

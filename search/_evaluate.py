@@ -8,6 +8,7 @@ from typing import Any
 
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel import CostModel, StepPrediction, estimate_memory, simulate_step
+from hexiseq.costmodel.base import memory_calibrations
 from hexiseq.costmodel.memory import memory_limit_bytes
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
@@ -37,7 +38,10 @@ def memory_shortfall(
     problem: Problem, layout: AttentionLayout, fractions: Sequence[float]
 ) -> dict[int, int]:
     """Bytes by which each over-limit rank exceeds 95 % of its memory."""
-    memory = estimate_memory(problem.cluster, problem.model, problem.train, layout, fractions)
+    calibrations = memory_calibrations(problem.cost, problem.cluster.gpu_types)
+    memory = estimate_memory(
+        problem.cluster, problem.model, problem.train, layout, fractions, calibrations
+    )
     return {
         rank: m.peak_bytes - limit
         for rank, (m, limit) in enumerate(zip(memory, problem.limits()))

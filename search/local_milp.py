@@ -300,7 +300,8 @@ def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group:
     ((per segment unit, per largest-block unit, per state share), constant) in bytes, where a
     member holds (u + 1) / size + 1 token units at most and its segment is u + 1 units."""
     low, high = layout.kv_head_range(rank)
-    is_cpu = problem.cluster.devices[rank].gpu == "cpu"
+    gpu = problem.cluster.devices[rank].gpu
+    calibration = problem.cost.memory_calibration(gpu)
     block = 2 * quantum
 
     def phases(tokens: float, segment: float, largest: float) -> np.ndarray:
@@ -310,9 +311,9 @@ def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group:
             layout.num_heads_of(rank),
             high - low,
             largest * block if multi_group else 0,
-            is_cpu,
+            gpu == "cpu",
         )
-        m = rank_memory(problem.model, problem.train, shape, 0.0)
+        m = rank_memory(problem.model, problem.train, shape, 0.0, calibration)
         persistent = m.model_states + m.sharding_buffers + m.checkpoints + m.reserve
         mlp = m.layer_activations + m.mlp_backward_transients
         attention = m.layer_activations - m.mlp_activations + m.attention_backward_transients
@@ -325,6 +326,7 @@ def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group:
     per_unit = per_token / size + per_segment
     constant = base + per_token * (1.0 / size + 1.0) + per_segment * 1.0
     per_share = float(problem.model.params * problem.train.bytes_per_param_state)
+    per_share *= calibration.scale if calibration is not None else 1.0
     return [((per_unit[p], per_largest[p], per_share), constant[p]) for p in range(3)]
 
 

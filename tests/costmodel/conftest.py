@@ -38,6 +38,9 @@ class RoundNumberCost:
     def link_parameters(self, cluster):
         return declared_link_parameters(cluster)
 
+    def memory_calibration(self, gpu):
+        return None
+
 
 @pytest.fixture
 def round_cost() -> RoundNumberCost:

@@ -1,0 +1,123 @@
+"""Calibrating the memory model against measured peaks (`hexiseq run` records each rank's).
+
+A point is one rank of one runtime run: the plan's modelled peak for that rank without its
+reserve (`dynamic`: states, buffers, checkpoints and the working set), and the peak the
+runtime measured (the largest over the run's steps). Per (device type, memory measure):
+
+    measured ≈ reserve + scale x dynamic,   reserve, scale >= 0,
+
+fitted for relative error like the op times (`fit_relative_nnls`), with the same held-out
+extrapolation: fit on the two thirds of smallest modelled peaks, predict the largest third.
+The measure is what the runtime could read: `cuda_max_allocated` on a GPU (the caching
+allocator's peak), `cpu_max_rss` on a CPU (the process's resident peak, the interpreter and
+libraries included, which the fitted reserve absorbs). Runs of emulated devices count: the
+emulation pads time, not memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hexiseq.costmodel._fit_document import HeldOut, MemoryFit, Skipped
+from hexiseq.costmodel._regression import extrapolation_split, fit_relative_nnls, relative_errors
+
+MIN_MEMORY_POINTS = 4
+"""Fewest distinct modelled sizes a calibration needs: 2 coefficients, and a held-out split."""
+
+
+@dataclass(frozen=True)
+class RuntimeSource:
+    """One runtime run: its id, the plan JSON it ran, and each rank's (measure, peak bytes)."""
+
+    run_id: int
+    plan_json: str
+    peaks: Sequence[tuple[int, str, int]]
+    """(rank, memory measure, peak bytes over the run's steps)."""
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    device_type: str
+    memory_measure: str
+    dynamic_bytes: float
+    measured_bytes: float
+    run_id: int
+
+
+def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
+    """One point per rank of every run whose plan carries a memory prediction."""
+    from hexiseq.errors import HexiseqError
+    from hexiseq.plan import Plan
+
+    points = []
+    for source in sources:
+        try:
+            plan = Plan.from_json_text(source.plan_json, f"runtime run {source.run_id}")
+        except HexiseqError:
+            continue  # a plan this version cannot read: its run calibrates nothing
+        ranks = plan.predicted.ranks
+        for rank, measure, peak_bytes in source.peaks:
+            if rank >= len(ranks) or peak_bytes <= 0:
+                continue
+            modelled = ranks[rank]
+            reserve = modelled.memory_terms.get("reserve", 0)
+            device_type = plan.cluster.devices[rank].gpu
+            points.append(MemoryPoint(device_type, measure, modelled.memory_bytes - reserve,
+                                      float(peak_bytes), source.run_id))  # fmt: skip
+    return points
+
+
+def fit_memory(points: Sequence[MemoryPoint]) -> tuple[list[MemoryFit], list[Skipped]]:
+    """One calibration per (device type, memory measure) with enough distinct sizes."""
+    families: dict[tuple[str, str], list[MemoryPoint]] = {}
+    for point in points:
+        families.setdefault((point.device_type, point.memory_measure), []).append(point)
+    fits, skipped = [], []
+    for (device_type, measure), members in sorted(families.items()):
+        dynamic = np.array([p.dynamic_bytes for p in members])
+        measured = np.array([p.measured_bytes for p in members])
+        if len(np.unique(dynamic)) < MIN_MEMORY_POINTS:
+            skipped.append(Skipped(
+                what=f"memory {device_type} {measure}",
+                reason=f"{len(np.unique(dynamic))} distinct modelled peaks; "
+                       f"{MIN_MEMORY_POINTS} needed",
+            ))  # fmt: skip
+            continue
+        reserve, scale = _fit(dynamic, measured)
+        fit_error = relative_errors(reserve + scale * dynamic, measured)
+        fits.append(MemoryFit(
+            device_type=device_type,
+            memory_measure=measure,
+            reserve_bytes=float(reserve),
+            scale=float(scale),
+            points=len(members),
+            fit_mape=float(np.mean(fit_error)),
+            size_range=(float(dynamic.min()), float(dynamic.max())),
+            source_runs=tuple(sorted({p.run_id for p in members})),
+            heldout=_heldout(dynamic, measured),
+        ))  # fmt: skip
+    return fits, skipped
+
+
+def _fit(dynamic: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
+    reserve, scale = fit_relative_nnls(np.column_stack([np.ones_like(dynamic), dynamic]), measured)
+    return float(reserve), float(scale)
+
+
+def _heldout(dynamic: np.ndarray, measured: np.ndarray) -> HeldOut:
+    train, test = extrapolation_split(dynamic)
+    if len(np.unique(dynamic[train])) < 2:
+        return HeldOut(train_points=len(train), test_points=len(test))
+    reserve, scale = _fit(dynamic[train], measured[train])
+    signed = (reserve + scale * dynamic[test] - measured[test]) / measured[test]
+    return HeldOut(
+        train_points=len(train),
+        test_points=len(test),
+        extrapolation_mape=float(np.mean(np.abs(signed))),
+        extrapolation_max_error=float(np.max(np.abs(signed))),
+        extrapolation_bias=float(np.mean(signed)),
+        lodo_note="n/a (memory)",
+    )
