@@ -21,6 +21,8 @@ It prints the table and updates the "Cost-model accuracy" section of benchmarks/
 (`--no-write`: print only); `--profiled-by` (repeatable) records the profile commands there.
 `--repeat-store URL` (repeatable): stores of independent repeats of the same profile commands;
 their extrapolation errors are listed beside the main store's, with the worst of all runs.
+`--runs-store URL` (default: --store): where the `hexiseq run` runs are whose measured peaks
+calibrate the memory model; the calibration's held-out error is a row of the table.
 """
 
 from __future__ import annotations
@@ -34,9 +36,17 @@ import sys
 
 from _results import replace_section
 
-from hexiseq._cli_fit import read_profile_sources
-from hexiseq.costmodel import FittedDocument, ProfileSource, fit_cost_model, format_heldout_table
+from hexiseq._cli_fit import read_profile_sources, read_runtime_sources
+from hexiseq.costmodel import (
+    FittedDocument,
+    ProfileSource,
+    RuntimeSource,
+    fit_cost_model,
+    format_heldout_table,
+)
 from hexiseq.costmodel._heldout_table import COMPUTE_GOAL_MAPE, LINK_GOAL_MAPE
+from hexiseq.costmodel._memory_fit import memory_points
+from hexiseq.costmodel.memory import CPU_RESERVE_BYTES, GPU_RESERVE_BYTES
 from hexiseq.errors import HexiseqError
 from hexiseq.store import DEFAULT_STORE_URL, Store
 
@@ -61,23 +71,31 @@ def main(argv: list[str] | None = None) -> int:
         metavar="URL",
         help="a store of an independent repeat of the same profile (repeatable)",
     )
+    parser.add_argument(
+        "--runs-store",
+        default=None,
+        metavar="URL",
+        help="the store of the `hexiseq run` runs that calibrate memory (default: --store)",
+    )
     args = parser.parse_args(argv)
     try:
         sources = _read_sources(args.store)
         repeats = [fit_cost_model(_read_sources(url)) for url in args.repeat_store]
+        runs = _read_runs(args.runs_store or args.store)
     except HexiseqError as error:
         print(f"costmodel_accuracy: {error}", file=sys.stderr)
         return 2
-    document = fit_cost_model(sources)
+    document = fit_cost_model(sources, runtime_runs=runs)
     spreads = timing_spreads(sources)
     print(format_heldout_table(document))
     rows = markdown_rows(document, spreads)
     repeat_lines = repeat_table([document, *repeats]) if repeats else []
     print("\n".join(["", *repeat_lines]))
-    print("\n" + reading(document, spreads))
+    uncalibrated = uncalibrated_memory_errors(runs)
+    print("\n" + reading(document, spreads, uncalibrated))
     if not args.no_write:
         text = section(document, sources, rows, spreads, argv, args.store, args.profiled_by,
-                       repeat_lines)  # fmt: skip
+                       repeat_lines, uncalibrated)  # fmt: skip
         replace_section(SECTION, text)
     return 0
 
@@ -85,6 +103,23 @@ def main(argv: list[str] | None = None) -> int:
 def _read_sources(url: str) -> list[ProfileSource]:
     with Store.open(url) as store:
         return read_profile_sources(store)
+
+
+def uncalibrated_memory_errors(runs: list[RuntimeSource]) -> dict[str, float]:
+    """Per device type: mean |modelled peak - measured| / measured of the memory model as
+    written (its own reserve), over every measured rank."""
+    errors: dict[str, list[float]] = {}
+    for point in memory_points(runs):
+        reserve = CPU_RESERVE_BYTES if point.device_type == "cpu" else GPU_RESERVE_BYTES
+        modelled = point.dynamic_bytes + reserve
+        error = abs(modelled - point.measured_bytes) / point.measured_bytes
+        errors.setdefault(point.device_type, []).append(error)
+    return {device: statistics.fmean(values) for device, values in errors.items()}
+
+
+def _read_runs(url: str) -> list[RuntimeSource]:
+    with Store.open(url) as store:
+        return read_runtime_sources(store)
 
 
 def repeat_table(documents: list[FittedDocument]) -> list[str]:
@@ -141,20 +176,25 @@ def markdown_rows(document: FittedDocument, spreads: dict[tuple, float]) -> list
         knee = f", knee at {fit.regimes[-1].from_bytes:,.0f} B" if len(fit.regimes) > 1 else ""
         rows.append(_row(fit.link_class, fit.op + knee, fit.points, fit.heldout, spread,
                          LINK_GOAL_MAPE))  # fmt: skip
+    for fit in document.memory:
+        what = (f"memory peak ({fit.memory_measure}): {fit.reserve_bytes / 2**20:,.0f} MiB + "
+                f"{fit.scale:.2f} x model")  # fmt: skip
+        rows.append(_row(fit.device_type, what, fit.points, fit.heldout, None, None))
     return rows
 
 
 def _row(name, op, points, heldout, spread, goal) -> str:
     mape = heldout.extrapolation_mape
-    met = "met" if mape is not None and mape <= goal else "**missed**"
+    met = "met" if mape is not None and goal is not None and mape <= goal else "**missed**"
     if heldout.lodo:
         worst = max(heldout.lodo, key=lambda e: e.mape)
         lodo = f"{_pct(worst.mape)} (from {worst.reference})"
     else:
         lodo = heldout.lodo_note
+    verdict = f"≤ {100 * goal:g} %: {met}" if goal is not None else "none set"
     cells = [name, op, str(points), f"{heldout.train_points}/{heldout.test_points}", _pct(mape),
              _pct(heldout.extrapolation_max_error), _signed_pct(heldout.extrapolation_bias), lodo,
-             _pct(spread), f"≤ {100 * goal:g} %: {met}"]  # fmt: skip
+             _pct(spread), verdict]  # fmt: skip
     return "| " + " | ".join(cells) + " |"
 
 
@@ -166,8 +206,10 @@ def _signed_pct(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:+.1f} %"
 
 
-def reading(document: FittedDocument, spreads: dict[tuple, float]) -> str:
-    """Counts of goals met and how noisy the measurements themselves were."""
+def reading(
+    document: FittedDocument, spreads: dict[tuple, float], uncalibrated: dict[str, float]
+) -> str:
+    """Counts of goals met, the memory calibration, and how noisy the measurements were."""
     compute = [f for f in document.ops if f.emulation_slowdown == 1.0]
     met = [f for f in compute if f.heldout.extrapolation_mape <= COMPUTE_GOAL_MAPE]
     links_met = [f for f in document.links if f.heldout.extrapolation_mape <= LINK_GOAL_MAPE]
@@ -178,6 +220,14 @@ def reading(document: FittedDocument, spreads: dict[tuple, float]) -> str:
         f"{len(met)} of {len(compute)} compute fits (1x) meet the 5 % extrapolation goal; "
         f"{len(links_met)} of {len(document.links)} link fits meet the 10 % goal."
     )
+    for fit in document.memory:
+        text += (
+            f" The memory model calibrated by {fit.points} measured {fit.device_type} peaks "
+            f"({len(fit.source_runs)} runs of `hexiseq run`) predicts the largest third of "
+            f"them within {_pct(fit.heldout.extrapolation_mape)} on average (the uncalibrated "
+            f"model's peaks are off by {_pct(uncalibrated.get(fit.device_type))} on all of "
+            "them)."
+        )
     if slower:
         names = ", ".join(f"{getattr(f, 'link_class', f.device_type)} {f.op}" for f in slower)
         text += (
@@ -257,7 +307,15 @@ def _profile_command_lines(commands) -> list[str]:
 
 
 def section(
-    document, sources, rows, spreads, argv, store_url, profiled_by=(), repeat_lines=()
+    document,
+    sources,
+    rows,
+    spreads,
+    argv,
+    store_url,
+    profiled_by=(),
+    repeat_lines=(),
+    uncalibrated=None,
 ) -> str:
     command = shlex.join([".venv/bin/python", "benchmarks/costmodel_accuracy.py", *(argv or [])])
     machine = (
@@ -289,7 +347,7 @@ def section(
             f"Produced by `{command}` on {machine}.",
             *_profile_command_lines(profiled_by),
             "",
-            "**Reading.** " + reading(document, spreads),
+            "**Reading.** " + reading(document, spreads, uncalibrated or {}),
         ]
     )
 
