@@ -86,12 +86,17 @@ class FittedCostModel:
         """ "fitted (profile run 3, 2026-11-22)", naming op families left to the datasheet;
         the datasheet model's label for a type that was not profiled."""
         ops = [op for op in COMPUTE_OPS if (gpu, op) in self._ops]
+        memory = self._memory_note(gpu)
         if not ops:
-            return self.fallback.label(gpu)
+            return self.fallback.label(gpu) + memory
         runs = sorted({run for op in ops for run in self._ops[gpu, op].source_runs})
         label = f"fitted ({_describe_runs(self.document, runs)})"
         missing = [op for op in COMPUTE_OPS if op not in ops]
-        return label + (f"; datasheet for {', '.join(missing)}" if missing else "")
+        return label + (f"; datasheet for {', '.join(missing)}" if missing else "") + memory
+
+    def _memory_note(self, gpu: str) -> str:
+        calibration = self.memory_calibration(gpu)
+        return "; memory calibrated by measured peaks" if calibration is not None else ""
 
     def gemm_time_s(
         self,

@@ -116,6 +116,7 @@ def test_the_planner_uses_the_calibration(plans) -> None:
         assert after.memory_terms["reserve"] == calibration.reserve_bytes
         assert after.memory_bytes == pytest.approx(RESERVE_BYTES + SCALE * dynamic, rel=1e-3)
         assert sum(after.memory_terms.values()) == pytest.approx(after.memory_bytes, abs=8)
+    assert calibrated.predicted.cost_model["cpu"].endswith("; memory calibrated by measured peaks")
     text = cost.to_json()
     assert parse_fitted_document(text).memory == document.memory  # persisted as JSON
 
