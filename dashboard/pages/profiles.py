@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import streamlit as st
 
+from hexiseq._cli_fit import read_runtime_sources
 from hexiseq.costmodel import FittedCostModel
+from hexiseq.costmodel._memory_fit import memory_points
 from hexiseq.dashboard import _session
 from hexiseq.dashboard.views import profiles as views
 from hexiseq.errors import HexiseqError
@@ -51,6 +53,21 @@ def main() -> None:
         st.caption(f"fitted {document.created_at}; loss: {document.loss}")
         for skipped in document.skipped:
             st.caption(f"not fitted: {skipped.what} ({skipped.reason})")
+    _memory_calibration(document)
+
+
+def _memory_calibration(document) -> None:
+    """Measured peaks of `hexiseq run` against the memory model, and its calibration."""
+    points = memory_points(read_runtime_sources(_session.store()))
+    if not points:
+        return
+    st.subheader("Memory calibration")
+    fits = document.memory if document is not None else ()
+    for device_type in dict.fromkeys(p.device_type for p in points):
+        figure = views.memory_calibration_figure(points, fits, device_type)
+        st.plotly_chart(figure, key=f"memory_calibration_{device_type}")
+    if not fits:
+        st.caption("Not calibrated yet — `hexiseq fit` calibrates the model by these peaks.")
 
 
 main()

@@ -9,9 +9,13 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
+from hexiseq.catalog import GiB
 from hexiseq.costmodel import FittedDocument
 from hexiseq.costmodel._features import measurement_features, size_key
+from hexiseq.costmodel._fit_document import MemoryFit
+from hexiseq.costmodel._memory_fit import MemoryPoint
 from hexiseq.costmodel._regression import predict_link
+from hexiseq.costmodel.memory import CPU_RESERVE_BYTES, GPU_RESERVE_BYTES
 from hexiseq.profiles import COMPUTE_OPS, ProfileMeasurement
 
 PROFILE_COLUMNS = [
@@ -166,6 +170,8 @@ def heldout_frame(document: FittedDocument) -> pd.DataFrame:
         rows.append(_heldout_row(f"{fit.device_type} {fit.op} {fit.dtype}{slow}", fit))
     for fit in document.links:
         rows.append(_heldout_row(f"{fit.link_class} {fit.op}", fit))
+    for fit in document.memory:
+        rows.append(_heldout_row(f"{fit.device_type} memory peak ({fit.memory_measure})", fit))
     columns = [
         "family",
         "points",
@@ -192,3 +198,35 @@ def _heldout_row(family: str, fit) -> dict:
 
 def _percent(fraction: float | None) -> float | None:
     return None if fraction is None else 100 * fraction
+
+
+def memory_calibration_figure(
+    points: Sequence[MemoryPoint], fits: Sequence[MemoryFit], device_type: str
+) -> go.Figure:
+    """Measured peak against the memory model's peak for each measured rank of `device_type`
+    (GiB), with the model as written (measured = modelled) and its calibration."""
+    mine = [p for p in points if p.device_type == device_type]
+    reserve = CPU_RESERVE_BYTES if device_type == "cpu" else GPU_RESERVE_BYTES
+    modelled = np.array([p.dynamic_bytes + reserve for p in mine]) / GiB
+    measured = np.array([p.measured_bytes for p in mine]) / GiB
+    figure = go.Figure()
+    figure.add_trace(go.Scatter(
+        x=modelled, y=measured, mode="markers", name="measured ranks",
+        text=[f"run {p.run_id}" for p in mine],
+    ))  # fmt: skip
+    if len(mine):
+        span = np.linspace(0.0, float(modelled.max()) * 1.05, 50)
+        figure.add_trace(go.Scatter(x=span, y=span, mode="lines", name="model as written",
+                                    line={"dash": "dot"}))  # fmt: skip
+        for fit in (f for f in fits if f.device_type == device_type):
+            calibrated = (fit.reserve_bytes + fit.scale * (span * GiB - reserve)) / GiB
+            figure.add_trace(go.Scatter(
+                x=span, y=calibrated, mode="lines",
+                name=f"calibrated: {fit.reserve_bytes / GiB:.2f} GiB + {fit.scale:.2f} x",
+            ))  # fmt: skip
+    figure.update_layout(
+        title=f"{device_type}: measured peak memory vs the memory model",
+        xaxis_title="modelled peak (GiB)",
+        yaxis_title="measured peak (GiB)",
+    )
+    return figure

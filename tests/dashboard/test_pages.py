@@ -75,6 +75,9 @@ def test_profiles_page_shows_the_fit_and_its_heldout_error(populated_store):
     assert list(heldout["family"]) == ["cpu gemm float32", "intra:cpu p2p"]
     app.selectbox(key="profile_family").set_value("intra:cpu p2p").run()
     assert_no_exception(app)
+    # The store's runtime run measured peaks: they are drawn against the memory model.
+    assert "Memory calibration" in [header.value for header in app.subheader]
+    assert any("Not calibrated yet" in caption.value for caption in app.caption)
 
 
 def test_plan_page_compares_two_saved_plans(populated_store):

@@ -61,3 +61,24 @@ def test_heldout_frame_lists_every_fit(fitted_document):
         100 * fitted_document.ops[0].heldout.extrapolation_mape
     )
     assert gemm["leave_one_type_out"]  # a figure, or why there is none
+
+
+def test_memory_calibration_figure_draws_each_rank_against_the_model():
+    from hexiseq.costmodel._fit_document import HeldOut, MemoryFit
+    from hexiseq.costmodel._memory_fit import MemoryPoint
+    from hexiseq.dashboard.views.profiles import memory_calibration_figure
+
+    GiB = 2**30
+    points = [MemoryPoint("cpu", "cpu_max_rss", dynamic * GiB, (0.5 + 1.5 * dynamic) * GiB, 1)
+              for dynamic in (1.0, 2.0, 3.0)]  # fmt: skip
+    fit = MemoryFit(device_type="cpu", memory_measure="cpu_max_rss", reserve_bytes=0.5 * GiB,
+                    scale=1.5, points=3, fit_mape=0.0, size_range=(GiB, 3 * GiB),
+                    heldout=HeldOut(train_points=2, test_points=1))  # fmt: skip
+    figure = memory_calibration_figure(points, [fit], "cpu")
+    measured, as_written, calibrated = figure.data
+    assert list(measured.y) == [2.0, 3.5, 5.0]
+    assert list(measured.x) == [1.25, 2.25, 3.25]  # + the model's 0.25 GiB CPU reserve
+    assert list(as_written.x) == list(as_written.y)
+    x, y = calibrated.x[-1], calibrated.y[-1]
+    assert y == pytest.approx(0.5 + 1.5 * (x - 0.25))
+    assert len(memory_calibration_figure(points, [], "cpu").data) == 2  # not calibrated yet
