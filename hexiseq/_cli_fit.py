@@ -57,9 +57,12 @@ def run_fit(args: argparse.Namespace) -> int:
         fitted_id = store.save_fitted_model(model.to_json())
         url = store.url
     print(format_heldout_table(document))
-    covered = ", ".join(model.covered_types) or "no device type (links only)"
+    only = "links only" if document.links else "memory calibration only"
+    covered = ", ".join(model.covered_types) or f"no device type ({only})"
     print(f"\nsaved to {url} as fitted model {fitted_id}; `hexiseq plan --store {url}` uses it")
-    print(f"for {covered} and the datasheet for every other GPU type")
+    print(f"for {covered} and the datasheet for every other GPU type", end="")
+    calibrated = ", ".join(dict.fromkeys(fit.device_type for fit in document.memory))
+    print(f"; memory calibrated by measured peaks for {calibrated}" if calibrated else "")
     return 0
 
 

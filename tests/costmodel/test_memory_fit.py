@@ -144,6 +144,8 @@ def test_hexiseq_fit_calibrates_memory_from_runs_alone(tmp_path: Path, plans) ->
     result = run_main(["fit", "--store", url])
     assert result.code == 0, result.stderr
     assert "memory peak (cpu_max_rss: 3" in result.stdout and "x model)" in result.stdout
+    assert "no device type (memory calibration only)" in result.stdout
+    assert "memory calibrated by measured peaks for cpu" in result.stdout
     with Store.open(url) as store:
         cost = FittedCostModel.from_json(store.latest_fitted_model())
     assert cost.memory_calibration("cpu").scale == pytest.approx(SCALE, rel=0.05)
