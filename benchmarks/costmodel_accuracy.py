@@ -46,7 +46,6 @@ from hexiseq.costmodel import (
 )
 from hexiseq.costmodel._heldout_table import COMPUTE_GOAL_MAPE, LINK_GOAL_MAPE
 from hexiseq.costmodel._memory_fit import memory_points
-from hexiseq.costmodel.memory import CPU_RESERVE_BYTES, GPU_RESERVE_BYTES
 from hexiseq.errors import HexiseqError
 from hexiseq.store import DEFAULT_STORE_URL, Store
 
@@ -110,9 +109,7 @@ def uncalibrated_memory_errors(runs: list[RuntimeSource]) -> dict[str, float]:
     written (its own reserve), over every measured rank."""
     errors: dict[str, list[float]] = {}
     for point in memory_points(runs):
-        reserve = CPU_RESERVE_BYTES if point.device_type == "cpu" else GPU_RESERVE_BYTES
-        modelled = point.dynamic_bytes + reserve
-        error = abs(modelled - point.measured_bytes) / point.measured_bytes
+        error = abs(point.modelled_bytes - point.measured_bytes) / point.measured_bytes
         errors.setdefault(point.device_type, []).append(error)
     return {device: statistics.fmean(values) for device, values in errors.items()}
 

@@ -1,8 +1,12 @@
 """Calibrating the memory model against measured peaks (`hexiseq run` records each rank's).
 
-A point is one rank of one runtime run: the plan's modelled peak for that rank without its
+A point is one rank of one runtime run: the memory model's peak for that rank without its
 reserve (`dynamic`: states, buffers, checkpoints and the working set), and the peak the
-runtime measured (the largest over the run's steps). Per (device type, memory measure):
+runtime measured (the largest over the run's steps). The modelled peak is recomputed from
+the plan's cluster, model, training spec and layout, uncalibrated and with model states
+sharded evenly as the runtime's FSDP2 shards them, not read from the plan's prediction: a
+plan made with a calibrated model carries calibrated peaks, which must not be calibrated
+again. Per (device type, memory measure):
 
     measured ≈ reserve + scale x dynamic,   reserve, scale >= 0,
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from hexiseq.costmodel._fit_document import HeldOut, MemoryFit, Skipped
 from hexiseq.costmodel._regression import extrapolation_split, fit_relative_nnls, relative_errors
+from hexiseq.costmodel.memory import estimate_memory
 
 MIN_MEMORY_POINTS = 4
 """Fewest distinct modelled sizes a calibration needs: 2 coefficients, and a held-out split."""
@@ -43,12 +48,20 @@ class MemoryPoint:
     device_type: str
     memory_measure: str
     dynamic_bytes: float
+    """The memory model's peak without its reserve."""
     measured_bytes: float
     run_id: int
+    modelled_reserve_bytes: float = 0.0
+    """The memory model's own reserve (replaced by the fitted one once calibrated)."""
+
+    @property
+    def modelled_bytes(self) -> float:
+        """The uncalibrated memory model's peak."""
+        return self.dynamic_bytes + self.modelled_reserve_bytes
 
 
 def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
-    """One point per rank of every run whose plan carries a memory prediction."""
+    """One point per measured rank of every run whose plan this version can read."""
     from hexiseq.errors import HexiseqError
     from hexiseq.plan import Plan
 
@@ -58,15 +71,17 @@ def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
             plan = Plan.from_json_text(source.plan_json, f"runtime run {source.run_id}")
         except HexiseqError:
             continue  # a plan this version cannot read: its run calibrates nothing
-        ranks = plan.predicted.ranks
+        modelled = estimate_memory(plan.cluster, plan.model, plan.train, plan.layout())
         for rank, measure, peak_bytes in source.peaks:
-            if rank >= len(ranks) or peak_bytes <= 0:
+            if rank >= len(modelled) or peak_bytes <= 0:
                 continue
-            modelled = ranks[rank]
-            reserve = modelled.memory_terms.get("reserve", 0)
-            device_type = plan.cluster.devices[rank].gpu
-            points.append(MemoryPoint(device_type, measure, modelled.memory_bytes - reserve,
-                                      float(peak_bytes), source.run_id))  # fmt: skip
+            memory = modelled[rank]
+            points.append(MemoryPoint(
+                device_type=plan.cluster.devices[rank].gpu, memory_measure=measure,
+                dynamic_bytes=float(memory.peak_bytes - memory.reserve),
+                measured_bytes=float(peak_bytes), run_id=source.run_id,
+                modelled_reserve_bytes=float(memory.reserve),
+            ))  # fmt: skip
     return points
 
 

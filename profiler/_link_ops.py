@@ -28,13 +28,12 @@ import torch.distributed as dist
 from ._grid import Grid
 from ._points import DTYPE_BYTES, Point
 from ._rounds import samples_in_round, visiting_order
-from ._sweep import available_memory_bytes, classify_failure
+from ._sweep import CPU_MEMORY_FRACTION, available_memory_bytes, classify_failure
 from ._timing import CpuTimer, CudaTimer, TimingStats, make_timer, summarize
 
 _STATUS_CODES = {"ok": 0, "oom": 1, "error": 2}
 _MAX_WARMUP_CALLS = 100
 _MAX_ROTATED_BYTES = 256 * 1024**2  # input sets are rotated only while they stay this small
-_CPU_MEMORY_FRACTION = 0.8  # of MemAvailable the ranks of one host may take for buffers
 _SEED = 4321
 
 # Newer torch names the tensor collectives *_single; the old names warn but still work.
@@ -213,7 +212,7 @@ def _fitting_count(points: Sequence[Point], device: torch.device, input_sets: in
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     for count in range(len(points), 0, -1):
         if _host_bytes(points[:count], local_ranks, input_sets) <= (
-            _CPU_MEMORY_FRACTION * available_bytes
+            CPU_MEMORY_FRACTION * available_bytes
         ):
             return count
     return 0

@@ -35,7 +35,7 @@ from ._rounds import samples_in_round, visiting_order
 from ._timing import make_timer, summarize, timed_visit
 
 _ERROR_LINE_CHARS = 300
-_CPU_MEMORY_FRACTION = 0.8  # of MemAvailable a point's tensors may take before it is refused
+CPU_MEMORY_FRACTION = 0.8  # of MemAvailable a point's tensors may take before it is refused
 _KEEP_FRACTION = 0.25  # of the free memory a family's inputs kept between rounds may take
 
 
@@ -263,7 +263,7 @@ def _check_cpu_memory(point: Point, device: torch.device, timing: TimingSpec) ->
         return
     needed_bytes = point.bytes_moved * (timing.input_sets + 1)
     available_bytes = available_memory_bytes()
-    if available_bytes is not None and needed_bytes > _CPU_MEMORY_FRACTION * available_bytes:
+    if available_bytes is not None and needed_bytes > CPU_MEMORY_FRACTION * available_bytes:
         raise MemoryError(
             f"needs about {needed_bytes / 1024**3:.1f} GiB of tensors, "
             f"{available_bytes / 1024**3:.1f} GiB available; not attempted"

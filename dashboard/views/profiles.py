@@ -15,7 +15,6 @@ from hexiseq.costmodel._features import measurement_features, size_key
 from hexiseq.costmodel._fit_document import MemoryFit
 from hexiseq.costmodel._memory_fit import MemoryPoint
 from hexiseq.costmodel._regression import predict_link
-from hexiseq.costmodel.memory import CPU_RESERVE_BYTES, GPU_RESERVE_BYTES
 from hexiseq.profiles import COMPUTE_OPS, ProfileMeasurement
 
 PROFILE_COLUMNS = [
@@ -206,8 +205,7 @@ def memory_calibration_figure(
     """Measured peak against the memory model's peak for each measured rank of `device_type`
     (GiB), with the model as written (measured = modelled) and its calibration."""
     mine = [p for p in points if p.device_type == device_type]
-    reserve = CPU_RESERVE_BYTES if device_type == "cpu" else GPU_RESERVE_BYTES
-    modelled = np.array([p.dynamic_bytes + reserve for p in mine]) / GiB
+    modelled = np.array([p.modelled_bytes for p in mine]) / GiB
     measured = np.array([p.measured_bytes for p in mine]) / GiB
     figure = go.Figure()
     figure.add_trace(go.Scatter(
@@ -219,6 +217,7 @@ def memory_calibration_figure(
         figure.add_trace(go.Scatter(x=span, y=span, mode="lines", name="model as written",
                                     line={"dash": "dot"}))  # fmt: skip
         for fit in (f for f in fits if f.device_type == device_type):
+            reserve = mine[0].modelled_reserve_bytes
             calibrated = (fit.reserve_bytes + fit.scale * (span * GiB - reserve)) / GiB
             figure.add_trace(go.Scatter(
                 x=span, y=calibrated, mode="lines",

@@ -149,3 +149,20 @@ def test_hexiseq_fit_calibrates_memory_from_runs_alone(tmp_path: Path, plans) ->
     with Store.open(url) as store:
         cost = FittedCostModel.from_json(store.latest_fitted_model())
     assert cost.memory_calibration("cpu").scale == pytest.approx(SCALE, rel=0.05)
+
+
+def test_runs_of_calibrated_plans_are_not_calibrated_twice(plans) -> None:
+    # A plan made with a calibrated model carries calibrated peaks; its run's point is the
+    # memory model's own peak all the same, so a refit finds the same calibration.
+    runs = _measured(plans, np.random.default_rng(7), 0.0)
+    cost = FittedCostModel(fit_cost_model([], runtime_runs=runs))
+    model = ModelSpec.preset("small")
+    replanned = [plan_search(CLUSTER, model, p.train.seq_len, n_trials=4, cost_model=cost).best
+                 for p in plans]  # fmt: skip
+    assert replanned[0].predicted.ranks[0].memory_terms["reserve"] != 256 * MiB
+    again = [RuntimeSource(s.run_id, p.to_json_text(), s.peaks) for s, p in zip(runs, replanned)]
+    assert [(p.dynamic_bytes, p.modelled_bytes) for p in memory_points(again)] == [
+        (p.dynamic_bytes, p.modelled_bytes) for p in memory_points(runs)
+    ]
+    refit = fit_cost_model([], runtime_runs=again).memory[0]
+    assert refit.scale == pytest.approx(SCALE, rel=1e-3)

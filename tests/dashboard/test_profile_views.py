@@ -69,7 +69,8 @@ def test_memory_calibration_figure_draws_each_rank_against_the_model():
     from hexiseq.dashboard.views.profiles import memory_calibration_figure
 
     GiB = 2**30
-    points = [MemoryPoint("cpu", "cpu_max_rss", dynamic * GiB, (0.5 + 1.5 * dynamic) * GiB, 1)
+    points = [MemoryPoint("cpu", "cpu_max_rss", dynamic * GiB, (0.5 + 1.5 * dynamic) * GiB, 1,
+                          modelled_reserve_bytes=0.25 * GiB)
               for dynamic in (1.0, 2.0, 3.0)]  # fmt: skip
     fit = MemoryFit(device_type="cpu", memory_measure="cpu_max_rss", reserve_bytes=0.5 * GiB,
                     scale=1.5, points=3, fit_mape=0.0, size_range=(GiB, 3 * GiB),
