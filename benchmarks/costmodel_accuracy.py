@@ -19,6 +19,11 @@ the training two thirds already hold out-of-cache sizes):
 
 It prints the table and updates the "Cost-model accuracy" section of benchmarks/RESULTS.md
 (`--no-write`: print only); `--profiled-by` (repeatable) records the profile commands there.
+`--section NAME --title TEXT`: write another section instead, e.g. the shared real-GPU profile:
+
+    cp ../shared/data/h100-profile.db /tmp/fit_h100.db
+    .venv/bin/python benchmarks/costmodel_accuracy.py --store sqlite:////tmp/fit_h100.db \
+        --section costmodel_accuracy_h100 --title "H100 (shared profile)"
 `--repeat-store URL` (repeatable): stores of independent repeats of the same profile commands;
 their extrapolation errors are listed beside the main store's, with the worst of all runs.
 `--runs-store URL` (default: --store): where the `hexiseq run` runs are whose measured peaks
@@ -44,6 +49,7 @@ from hexiseq.costmodel import (
     fit_cost_model,
     format_heldout_table,
 )
+from hexiseq.costmodel._gpu_features import GPU_OP_FEATURES
 from hexiseq.costmodel._heldout_table import COMPUTE_GOAL_MAPE, LINK_GOAL_MAPE
 from hexiseq.costmodel._memory_fit import memory_points
 from hexiseq.errors import HexiseqError
@@ -76,6 +82,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="URL",
         help="the store of the `hexiseq run` runs that calibrate memory (default: --store)",
     )
+    parser.add_argument(
+        "--section",
+        default=SECTION,
+        metavar="NAME",
+        help=f"the RESULTS.md section to write (default {SECTION})",
+    )
+    parser.add_argument(
+        "--title",
+        default=None,
+        metavar="TEXT",
+        help="what the section's heading names after 'Cost-model accuracy: ' (default: "
+        "held-out error of the fitted model)",
+    )
     args = parser.parse_args(argv)
     try:
         sources = _read_sources(args.store)
@@ -94,8 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + reading(document, spreads, uncalibrated))
     if not args.no_write:
         text = section(document, sources, rows, spreads, argv, args.store, args.profiled_by,
-                       repeat_lines, uncalibrated)  # fmt: skip
-        replace_section(SECTION, text)
+                       repeat_lines, uncalibrated, title=args.title)  # fmt: skip
+        replace_section(args.section, text)
     return 0
 
 
@@ -234,6 +253,11 @@ def reading(
             "working sets that leave the caches: the fit's cache terms see that only where "
             "the training sizes already reach beyond a cache)."
         )
+    if compute and not any(f.heldout.lodo for f in compute):
+        text += (
+            " Leave-one-device-type-out: n/a, one device type profiled (on GPU data a CPU "
+            "would be no peer either: its achieved share of its peak says nothing of a GPU's)."
+        )
     if noisy:
         text += (
             f" In {len(noisy)} of {len(spreads)} families the measurements' own p10-p90 "
@@ -269,7 +293,14 @@ def _hardware_lines(document: FittedDocument, sources: list[ProfileSource]) -> l
         if fit.emulation_slowdown != 1.0 or (fit.cache_bytes is None and not fit.attention_kernel):
             continue
         what = f"kernel {fit.attention_kernel}" if fit.attention_kernel else ""
-        if fit.cache_bytes is not None and fit.op in ("gemm", "elementwise"):
+        if fit.sm_count is not None:
+            what += f", FlashAttention-2 tiles scheduled over {fit.sm_count} SMs"
+        gpu = fit.features == GPU_OP_FEATURES.get(fit.op)
+        if gpu and fit.op == "elementwise":
+            what = f"bytes beyond the L2 of {fit.cache_bytes[0] / 1024**2:.3g} MiB"
+        elif gpu and fit.op == "gemm":
+            what = f"bytes beyond the roofline ridge {fit.ridge_flops_per_byte:.0f} FLOP/byte"
+        elif fit.cache_bytes is not None and fit.op in ("gemm", "elementwise"):
             l2, llc = (f"{value / 1024**2:.3g} MiB" for value in fit.cache_bytes)
             what = f"cache terms at L2 {l2}, last level {llc}"
         lines.append(f"- {fit.device_type} {fit.op}: {what}")
@@ -313,6 +344,8 @@ def section(
     profiled_by=(),
     repeat_lines=(),
     uncalibrated=None,
+    *,
+    title=None,
 ) -> str:
     command = shlex.join([".venv/bin/python", "benchmarks/costmodel_accuracy.py", *(argv or [])])
     machine = (
@@ -324,7 +357,7 @@ def section(
                "max err", "bias", "LODO MAPE", "p10-p90 spread", "goal"]  # fmt: skip
     return "\n".join(
         [
-            "## Cost-model accuracy: held-out error of the fitted model",
+            f"## Cost-model accuracy: {title or 'held-out error of the fitted model'}",
             "",
             "Extrapolation: fit on the smallest two thirds of each family's points by size "
             "(FLOPs, or bytes for elementwise ops and links), predict the largest third. "

@@ -29,6 +29,11 @@ the queries in blocks of 32, 64 or 256 rows (q_len < 192, < 768, else) and the k
 of 512, and for query block [m, m + rows) computes the key blocks up to key m + rows; it
 reads those keys and values again for every query block, which its bytes count. For other
 kernels every masked pair is counted, keys are read once, and the fit finds the rates.
+
+These are the features of the CPU (and of any device the catalog does not know). A catalog GPU
+gets GPU-shaped ones (`hexiseq.costmodel._gpu_features`): wave quantization over its SMs and
+FlashAttention-2's tiles instead of cache terms and CPU flash tiles. `measurement_features`
+picks by the row's device type; a fit names the features it used (`feature_names`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,14 @@ from functools import lru_cache
 
 import numpy as np
 
+from hexiseq.costmodel._gpu_features import (
+    GPU_OP_FEATURES,
+    flash_attention_features,
+    gpu_gemm_features,
+    gpu_memory_bound_features,
+    gpu_traits,
+    uses_gpu_features,
+)
 from hexiseq.costmodel.base import FloatOrArray
 from hexiseq.flops import ATTENTION_BACKWARD_FACTOR, attention_flops
 from hexiseq.profiles import ProfileMeasurement, attention_pairs
@@ -55,6 +68,10 @@ LEGACY_OP_FEATURES: dict[str, tuple[str, ...]] = {
     "elementwise": ("bytes", "calls"),
 }
 """Features of fits written before the cache terms (schema version 1), still read."""
+FEATURE_SETS: dict[str, tuple[tuple[str, ...], ...]] = {
+    op: (OP_FEATURES[op], GPU_OP_FEATURES[op]) for op in OP_FEATURES
+}
+"""The feature lists a fit of each op may name: the CPU's, a GPU's."""
 CACHED_OPS = ("gemm", "elementwise")
 """Ops with cache terms (their last two features)."""
 STREAMING_OPS = ("elementwise",)
@@ -75,10 +92,21 @@ def size_key(op: str, measurement: ProfileMeasurement) -> float:
     return measurement.flops if "flops" in OP_FEATURES.get(op, ()) else measurement.bytes_moved
 
 
+def feature_names(measurement: ProfileMeasurement) -> tuple[str, ...]:
+    """The features `measurement_features` gives this row: a catalog GPU's (`GPU_OP_FEATURES`,
+    attention only on the FlashAttention-2 kernel of a GPU with a known SM count), else the
+    CPU's (`OP_FEATURES`)."""
+    op, kernel = measurement.op, measurement.extra.get("kernel")
+    if uses_gpu_features(op, gpu_traits(measurement.device_type), kernel):
+        return GPU_OP_FEATURES[op]
+    return OP_FEATURES[op]
+
+
 def measurement_features(
     measurement: ProfileMeasurement, cache_bytes: Sequence[float] | None = None
 ) -> tuple[float, ...]:
-    """The features of one timed call of a compute op (see the module docstring).
+    """The features of one timed call of a compute op (see the module docstring), in the
+    order `feature_names` gives for the row.
 
     Attention pairs and bytes are recomputed from the shape (`attention_pairs`,
     `attention_bytes`), as the prediction computes them; FLOPs and GEMM / elementwise bytes
@@ -89,6 +117,8 @@ def measurement_features(
     """
     op, m = measurement.op, measurement
     cache = measurement_cache_bytes(m) if cache_bytes is None else tuple(cache_bytes)
+    if feature_names(m) == GPU_OP_FEATURES[op]:
+        return _gpu_measurement_features(m, cache)
     if op == "elementwise":
         return (m.bytes_moved, 1.0, *cache_terms(m.bytes_moved, 1.0, cache, streaming=True))
     if op == "gemm":
@@ -110,6 +140,27 @@ def measurement_features(
     )
     pair_heads = softmax_pairs(pairs, masked_pairs, kernel) * heads
     return (m.flops, float(masked_flops), float(pair_heads), float(nbytes), 1.0)
+
+
+def _gpu_measurement_features(
+    m: ProfileMeasurement, cache: Sequence[float] | None
+) -> tuple[float, ...]:
+    """`measurement_features` of a row of a catalog GPU (`_gpu_features`)."""
+    traits = gpu_traits(m.device_type)
+    if m.op == "elementwise":
+        return gpu_memory_bound_features(m.bytes_moved, 1.0, cache[0] if cache else None)
+    if m.op == "gemm":
+        return gpu_gemm_features(m.flops, m.bytes_moved, 1.0, traits.ridge_flops_per_byte)
+    missing = [name for name in _ATTENTION_PARAMS if name not in m.params]
+    if missing:
+        raise ValueError(f"attention point lacks params {', '.join(missing)}")
+    q_len, kv_len, heads, head_dim = (int(m.params[name]) for name in _ATTENTION_PARAMS[:4])
+    features = flash_attention_features(
+        q_len, kv_len, heads, head_dim, causal=bool(m.params["causal"]),
+        backward=m.op == "attention_bwd", calls=1.0, element_size=element_bytes(m.dtype),
+        sm_count=traits.sm_count,
+    )  # fmt: skip
+    return tuple(float(value) for value in features)
 
 
 def measurement_cache_bytes(measurement: ProfileMeasurement) -> tuple[float, float] | None:
@@ -242,14 +293,19 @@ def gemm_features(
 ) -> tuple[FloatOrArray, ...]:
     """GEMM features; unknown bytes are those of `calls` square GEMMs doing `flops` in all."""
     if bytes_moved is None:
-        side = np.cbrt(flops / (2.0 * calls))  # 2·n³ FLOPs per n x n x n GEMM
-        bytes_moved = calls * 3.0 * element_size * side * side
+        bytes_moved = square_gemm_bytes(flops, calls, element_size)
     return (
         flops,
         bytes_moved,
         calls,
         *cache_terms(bytes_moved, calls, cache_bytes, streaming=False),
     )
+
+
+def square_gemm_bytes(flops: FloatOrArray, calls: FloatOrArray, element_size: int):
+    """Bytes of `calls` square GEMMs doing `flops` in all (3 n² elements per 2 n³ FLOPs)."""
+    side = np.cbrt(np.divide(flops, np.multiply(2.0, calls)))
+    return np.multiply(calls, 3.0 * element_size * side * side)
 
 
 def memory_bound_features(

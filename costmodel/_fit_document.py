@@ -13,15 +13,23 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hexiseq._yaml import format_validation_error
-from hexiseq.costmodel._features import LEGACY_OP_FEATURES, OP_FEATURES
+from hexiseq.costmodel._features import FEATURE_SETS, LEGACY_OP_FEATURES, OP_FEATURES
 from hexiseq.errors import InputError
 from hexiseq.profiles import COMPUTE_OPS, LINK_OPS
 
 DOCUMENT_FORMAT = "hexiseq.fitted_cost_model"
-DOCUMENT_SCHEMA_VERSION = 3
+DOCUMENT_SCHEMA_VERSION = 4
 """2 added the cache terms (gemm, elementwise), `cache_bytes` and `attention_kernel`; 3 added
-the memory calibrations (`memory`). Version 1 documents are still read, their fits upgraded
-to today's features (cache terms 0); versions 1 and 2 have no memory calibration."""
+the memory calibrations (`memory`); 4 added the GPU feature sets (`sm_count`,
+`ridge_flops_per_byte`) and each held-out error's goal (`goal_mape`, `goal_met`). Version 1
+documents are still read, their fits upgraded to today's features (cache terms 0); versions
+1 and 2 have no memory calibration; fits of versions 1 to 3 get their goal flags on reading,
+from the extrapolation error they carry."""
+
+COMPUTE_GOAL_MAPE = 0.05
+"""Goal for the extrapolation error of compute ops (DESIGN.md §6, issue 5): 5 %."""
+LINK_GOAL_MAPE = 0.10
+"""Goal for the extrapolation error of links: 10 %."""
 
 
 class _Strict(BaseModel):
@@ -51,6 +59,11 @@ class HeldOut(_Strict):
     lodo: tuple[LodoError, ...] = ()
     lodo_note: str = ""
     """Why there is no LODO figure, e.g. "n/a (one type profiled)"."""
+    goal_mape: float | None = Field(default=None, gt=0)
+    """The goal for `extrapolation_mape` (5 % compute, 10 % links); None: no goal (memory)."""
+    goal_met: bool | None = None
+    """`extrapolation_mape` <= `goal_mape`; False: `--cost-model auto` does not use the fit
+    (the datasheet stands in for it); None: no goal, or no extrapolation error."""
 
 
 class EmulationCheck(_Strict):
@@ -86,12 +99,23 @@ class OpFit(_Strict):
     points (`fit_effective_capacity`); None: unknown, cache terms 0."""
     attention_kernel: str | None = None
     """The attention kernel profiled (e.g. `cpu_flash`): its tiles decide the masked FLOPs."""
+    sm_count: int | None = Field(default=None, ge=1)
+    """GPU features: the SMs the thread blocks were scheduled over (catalog, at fit time)."""
+    ridge_flops_per_byte: float | None = Field(default=None, gt=0)
+    """GPU features: the roofline ridge (datasheet peak FLOP/s / HBM bytes/s) of the GEMM's
+    bytes-beyond-the-ridge term."""
 
     @model_validator(mode="after")
     def _features_match_op(self) -> OpFit:
-        expected = OP_FEATURES[self.op]
-        if self.features != expected:
-            raise ValueError(f"features of {self.op} must be {list(expected)}")
+        allowed = FEATURE_SETS[self.op]
+        if self.features not in allowed:
+            choices = " or ".join(str(list(names)) for names in allowed)
+            raise ValueError(f"features of {self.op} must be {choices}")
+        gpu = self.features != OP_FEATURES[self.op]
+        if gpu and self.op == "gemm" and self.ridge_flops_per_byte is None:
+            raise ValueError("a GPU gemm fit needs ridge_flops_per_byte")
+        if gpu and self.op.startswith("attention") and self.sm_count is None:
+            raise ValueError("a GPU attention fit needs sm_count")
         if len(self.coefficients) != len(self.features) or min(self.coefficients) < 0:
             raise ValueError(f"needs {len(self.features)} coefficients, all >= 0")
         return self
@@ -163,7 +187,7 @@ class FittedDocument(_Strict):
     """The whole fit session: every fit, where the points came from, what was skipped."""
 
     format: Literal["hexiseq.fitted_cost_model"] = DOCUMENT_FORMAT
-    schema_version: Literal[1, 2, 3] = DOCUMENT_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4] = DOCUMENT_SCHEMA_VERSION
     created_at: str
     versions: dict[str, str]
     loss: str
@@ -189,6 +213,39 @@ def parse_fitted_document(text: str, source: str = "fitted model") -> FittedDocu
 
 
 def _upgraded(raw: dict) -> dict:
+    """An older document in today's form: schema-1 fits with the cache terms (`_with_cache_
+    terms`), schema 1-3 fits with their goal flags (`_with_goals`)."""
+    return _with_goals(_with_cache_terms(raw))
+
+
+def _with_goals(raw: dict) -> dict:
+    """Fits of schema 1-3 with `goal_mape` and `goal_met` from the error they carry, so an
+    older fit that missed its goal is not used silently either."""
+    if raw.get("schema_version") not in (1, 2, 3):
+        return raw
+    upgraded = dict(raw)
+    for key, goal in (("ops", COMPUTE_GOAL_MAPE), ("links", LINK_GOAL_MAPE)):
+        if isinstance(raw.get(key), list):
+            upgraded[key] = [_fit_with_goal(fit, goal) for fit in raw[key]]
+    return upgraded
+
+
+def _fit_with_goal(fit, goal: float):
+    heldout = fit.get("heldout") if isinstance(fit, dict) else None
+    if not isinstance(heldout, dict) or "goal_mape" in heldout:
+        return fit  # malformed (left for validation to name) or already flagged
+    return {**fit, "heldout": {**heldout, **goal_flags(heldout.get("extrapolation_mape"), goal)}}
+
+
+def goal_flags(extrapolation_mape, goal: float) -> dict:
+    """{"goal_mape": goal, "goal_met": mape <= goal} (goal_met None without a number)."""
+    number = isinstance(extrapolation_mape, (int, float)) and not isinstance(
+        extrapolation_mape, bool
+    )
+    return {"goal_mape": goal, "goal_met": bool(extrapolation_mape <= goal) if number else None}
+
+
+def _with_cache_terms(raw: dict) -> dict:
     """A schema-1 document with its gemm / elementwise fits in today's features: the cache
     terms appended with coefficient 0 (no capacities known), so it predicts as it did and
     every reader sees one feature list per op."""

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from hexiseq.costmodel._fit_document import FittedDocument, HeldOut, LinkFit, MemoryFit, OpFit
+from hexiseq.costmodel._fit_document import (
+    COMPUTE_GOAL_MAPE,
+    LINK_GOAL_MAPE,
+    FittedDocument,
+    HeldOut,
+    LinkFit,
+    MemoryFit,
+    OpFit,
+)
 from hexiseq.report import format_table
 
-COMPUTE_GOAL_MAPE = 0.05
-"""Goal for the extrapolation error of compute ops (DESIGN.md §6 issue 5): 5 %."""
-LINK_GOAL_MAPE = 0.10
-"""Goal for the extrapolation error of links: 10 %."""
+__all__ = ["COMPUTE_GOAL_MAPE", "LINK_GOAL_MAPE", "format_heldout_table", "missed_goal_lines"]
 
 _HEADERS = [
     "device / link",
@@ -33,7 +38,28 @@ def format_heldout_table(document: FittedDocument) -> str:
     if not rows:
         return "no family had enough ok points to fit" + _skipped_lines(document)
     table = format_table(_HEADERS, rows, right={3, 4, 5, 6, 7})
-    return table + _emulation_lines(document) + _skipped_lines(document)
+    missed = missed_goal_lines(document)
+    heading = "\n\nmissed its goal (`--cost-model auto` uses the datasheet for it instead; "
+    heading += "`--cost-model fitted` forces the fit):\n"
+    fallback = heading + "\n".join(missed) if missed else ""
+    return table + fallback + _emulation_lines(document) + _skipped_lines(document)
+
+
+def missed_goal_lines(document: FittedDocument) -> list[str]:
+    """One line per fit whose extrapolation error exceeds its goal (`HeldOut.goal_met`)."""
+    fits = [f for f in document.ops if f.emulation_slowdown == 1.0] + list(document.links)
+    return [
+        f"  {_fit_name(fit)}: {_percent(fit.heldout.extrapolation_mape)} > "
+        f"{100 * fit.heldout.goal_mape:g} %"
+        for fit in fits
+        if fit.heldout.goal_met is False
+    ]
+
+
+def _fit_name(fit: OpFit | LinkFit) -> str:
+    if isinstance(fit, LinkFit):
+        return f"{fit.link_class} {fit.op}"
+    return f"{fit.device_type} {fit.op} {fit.dtype}"
 
 
 def _op_row(fit: OpFit) -> list[str]:
@@ -65,6 +91,7 @@ def _memory_row(fit: MemoryFit) -> list[str]:
 
 def _error_cells(points: int, heldout: HeldOut, goal: float | None) -> list[str]:
     mape = heldout.extrapolation_mape
+    goal = heldout.goal_mape if heldout.goal_mape is not None else goal
     met = "met" if mape is not None and goal is not None and mape <= goal else "MISSED"
     return [
         str(points),

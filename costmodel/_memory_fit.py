@@ -78,7 +78,9 @@ def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
             memory = modelled[rank]
             points.append(MemoryPoint(
                 device_type=plan.cluster.devices[rank].gpu, memory_measure=measure,
-                dynamic_bytes=float(memory.peak_bytes - memory.reserve),
+                # The allocated peak: what `cuda_max_allocated` counts (no context, no
+                # fragmentation); on CPU the RSS's interpreter is the fitted reserve.
+                dynamic_bytes=float(memory.allocated_bytes),
                 measured_bytes=float(peak_bytes), run_id=source.run_id,
                 modelled_reserve_bytes=float(memory.reserve),
             ))  # fmt: skip

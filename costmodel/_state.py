@@ -23,7 +23,13 @@ BREAKDOWN_KEYS = (
     "ring_exposed_comm_s",
     "sharding_exposed_comm_s",
     "idle_s",
+    "elementwise_s",
+    "cast_s",
+    "loss_s",
+    "optimizer_s",
+    "launch_s",
 )
+"""The `RankTime` parts, in its field order; they add up to the step time."""
 
 
 @dataclass(frozen=True)

@@ -57,17 +57,21 @@ class CostModel(Protocol):
         q_tokens: FloatOrArray | None = None,
         kv_tokens: FloatOrArray | None = None,
         calls: FloatOrArray = 1,
+        kernel: str | None = None,
     ) -> FloatOrArray:
         """Time of `calls` flash-attention blocks over `pairs` (query, key) pairs in all, for
         `heads` heads; `q_tokens` / `kv_tokens`: query and key lengths of one block, whose
         q_tokens x kv_tokens box holds more than its share of `pairs` when a causal mask
-        removes some (None: unknown)."""
+        removes some (None: unknown); `kernel`: the attention backend (`hexiseq.kernels`),
+        None: the one the runtime runs on `gpu` (`attention_kernel`)."""
         ...
 
     def memory_bound_time_s(
         self, gpu: str, bytes_moved: FloatOrArray, *, calls: FloatOrArray = 1
     ) -> FloatOrArray:
-        """Time of `calls` bandwidth-bound elementwise/norm kernels moving `bytes_moved` bytes."""
+        """Time of `calls` bandwidth-bound elementwise/norm kernels moving `bytes_moved` bytes,
+        per-kernel launch costs included (the step simulator books what `calls` adds over one
+        kernel as launch overhead)."""
         ...
 
     def transfer_time_s(

@@ -2,12 +2,15 @@
 
 `fit_cost_model` turns the profiler's `ProfileMeasurement` rows into a `FittedDocument`:
 - per (device type, op family, dtype, emulation slowdown) an op-time regression that
-  extrapolates: time = a·FLOPs + b·bytes + c·calls, non-negative, relative-error loss
+  extrapolates: time = a·FLOPs + b·bytes + c·calls (+ cache terms on a CPU, wave and tile
+  terms on a GPU: `_features`, `_gpu_features`), non-negative, relative-error loss
   (`hexiseq.costmodel._regression`); the final coefficients use every point;
 - per (link class, op) α + bytes/β, one to three size regimes;
 - held-out errors of each: extrapolation (fit on the smallest two thirds by size, predict the
   largest third: mean and max relative error) and, for compute, leave-one-device-type-out
-  (predict the type's points from another profiled type's fit scaled by datasheet ratios);
+  (predict the type's points from another profiled GPU type's fit scaled by datasheet ratios;
+  a CPU is no peer for a GPU's ratios); each fit is flagged with whether its extrapolation
+  error meets its goal (5 % compute, 10 % links), which `--cost-model auto` heeds;
 - for emulated slow devices, the ratio of their fit to the 1x fit of the same device;
 - given runtime runs, the memory model calibrated per device type against the measured
   peaks (`hexiseq.costmodel._memory_fit`).
@@ -31,11 +34,14 @@ from hexiseq.costmodel._features import (
     OP_FEATURES,
     STREAMING_OPS,
     cache_terms,
+    feature_names,
     measurement_cache_bytes,
     measurement_features,
     size_key,
 )
 from hexiseq.costmodel._fit_document import (
+    COMPUTE_GOAL_MAPE,
+    LINK_GOAL_MAPE,
     EmulationCheck,
     FittedDocument,
     HeldOut,
@@ -45,7 +51,9 @@ from hexiseq.costmodel._fit_document import (
     Regime,
     Skipped,
     SourceRun,
+    goal_flags,
 )
+from hexiseq.costmodel._gpu_features import gpu_traits
 from hexiseq.costmodel._memory_fit import RuntimeSource, fit_memory, memory_points
 from hexiseq.costmodel._regression import (
     extrapolation_split,
@@ -86,6 +94,7 @@ class _Points:
     device_type: str
     cache_bytes: tuple[float, float] | None = None
     kernel: str | None = None
+    feature_names: tuple[str, ...] = ()
 
 
 def fit_cost_model(
@@ -169,7 +178,11 @@ def _format_key_part(part) -> str:
 
 def _points(members: list) -> _Points:
     measurements = [m for _, m in members]
+    names: tuple[str, ...] = ()
     if measurements[0].op in COMPUTE_OPS:
+        names = _the_one({feature_names(m) for m in measurements})
+        if names is None:
+            raise ValueError("rows of different kernels need different features; profile one")
         features = np.array([measurement_features(m) for m in measurements], dtype=np.float64)
         sizes = np.array([size_key(m.op, m) for m in measurements], dtype=np.float64)
     else:
@@ -185,6 +198,7 @@ def _points(members: list) -> _Points:
         measurements[0].device_type,
         cache_bytes=_the_one({measurement_cache_bytes(m) for m in measurements}),
         kernel=_the_one({m.extra.get("kernel") for m in measurements if m.op in COMPUTE_OPS}),
+        feature_names=names,
     )
 
 
@@ -202,30 +216,45 @@ def _fit_compute_families(families: dict[tuple, _Points]) -> list[tuple[OpFit, _
         train_coefficients, train_cache, _ = _fit_points(op, points, train)
         test_features = _with_capacity(op, points.features[test], train_cache)
         predicted = test_features @ train_coefficients
+        heldout = _heldout(train, test, predicted, points.seconds[test], COMPUTE_GOAL_MAPE)
         fit = OpFit(
             device_type=device_type,
             op=op,
             dtype=dtype,
             emulation_slowdown=slowdown,
-            features=OP_FEATURES[op],
+            features=points.feature_names,
             coefficients=tuple(float(c) for c in coefficients),
             points=len(points.seconds),
             fit_mape=_mape(features @ coefficients, points.seconds),
             size_range=(float(points.sizes.min()), float(points.sizes.max())),
             source_runs=points.runs,
-            heldout=_heldout(train, test, predicted, points.seconds[test]),
+            heldout=heldout,
             cache_bytes=cache_bytes,
             attention_kernel=points.kernel if op.startswith("attention") else None,
+            **_gpu_fields(op, points),
         )
         fits.append((fit, dataclasses.replace(points, features=features)))
     return fits
 
 
+def _gpu_fields(op: str, points: _Points) -> dict:
+    """What a GPU fit's features need at prediction: the SM count (attention) and the roofline
+    ridge (gemm), from the catalog at fit time; nothing for the CPU's features."""
+    if points.feature_names == OP_FEATURES[op]:
+        return {}
+    traits = gpu_traits(points.device_type)
+    if op == "gemm":
+        return {"ridge_flops_per_byte": traits.ridge_flops_per_byte}
+    return {"sm_count": traits.sm_count} if op.startswith("attention") else {}
+
+
 def _fit_points(op: str, points: _Points, rows) -> tuple[np.ndarray, tuple | None, np.ndarray]:
     """Coefficients fitted on `rows` of the family, the cache capacities they use, and the
-    family's features with those capacities (`fit_effective_capacity` for cache terms)."""
+    family's features with those capacities (`fit_effective_capacity` for the CPU's cache
+    terms; a GPU's L2 term takes the hardware's capacity)."""
     features, seconds = points.features[rows], points.seconds[rows]
-    if op not in CACHED_OPS or points.cache_bytes is None:
+    cpu_features = points.feature_names == OP_FEATURES[op]
+    if op not in CACHED_OPS or points.cache_bytes is None or not cpu_features:
         return fit_relative_nnls(features, seconds), points.cache_bytes, points.features
     calls, per_call = _calls_and_bytes_per_call(op, features)
     coefficients, cache = fit_effective_capacity(
@@ -235,8 +264,8 @@ def _fit_points(op: str, points: _Points, rows) -> tuple[np.ndarray, tuple | Non
 
 
 def _with_capacity(op: str, features: np.ndarray, cache: tuple | None) -> np.ndarray:
-    """`features` with the cache terms taken at the capacities `cache`."""
-    if cache is None or op not in CACHED_OPS:
+    """`features` with the cache terms taken at the capacities `cache` (CPU features)."""
+    if cache is None or op not in CACHED_OPS or features.shape[1] != len(OP_FEATURES[op]):
         return features
     calls, per_call = _calls_and_bytes_per_call(op, features)
     rebuilt = features.copy()
@@ -253,15 +282,21 @@ def _calls_and_bytes_per_call(op: str, features: np.ndarray) -> tuple[np.ndarray
 
 
 def _heldout(
-    train: np.ndarray, test: np.ndarray, predicted: np.ndarray, seconds: np.ndarray
+    train: np.ndarray,
+    test: np.ndarray,
+    predicted: np.ndarray,
+    seconds: np.ndarray,
+    goal: float,
 ) -> HeldOut:
     errors = relative_errors(predicted, seconds)
+    mape = float(np.mean(errors))
     return HeldOut(
         train_points=len(train),
         test_points=len(test),
-        extrapolation_mape=float(np.mean(errors)),
+        extrapolation_mape=mape,
         extrapolation_max_error=float(np.max(errors)),
         extrapolation_bias=float(np.mean((predicted - seconds) / seconds)),
+        **goal_flags(mape, goal),
     )
 
 
@@ -280,9 +315,19 @@ def _with_lodo(fits: list[tuple[OpFit, _Points]]) -> list[tuple[OpFit, _Points]]
             result.append((_with_heldout(fit, lodo_note=note), points))
             continue
         references = [r for r, _ in real if r.op == fit.op and r.device_type != fit.device_type]
-        lodo, note = _lodo_errors(fit, points, references, len(types))
+        peers = [r for r in references if _are_peers(fit, r)]
+        lodo, note = _lodo_errors(fit, points, peers, len(types))
+        if references and not peers:
+            note = "n/a (no other GPU type profiled; a CPU is no peer for GPU ratios)"
         result.append((_with_heldout(fit, lodo=lodo, lodo_note=note), points))
     return result
+
+
+def _are_peers(fit: OpFit, reference: OpFit) -> bool:
+    """Whether `reference`'s fit can stand for `fit`'s type by datasheet ratios: two GPU types
+    with the same features (a CPU's achieved share of its peak says nothing of a GPU's)."""
+    gpus = "cpu" not in (fit.device_type, reference.device_type)
+    return gpus and fit.features == reference.features
 
 
 def _lodo_errors(
@@ -368,7 +413,7 @@ def _fit_link_families(families: dict[tuple, _Points]) -> list[LinkFit]:
                 fit_mape=_mape(predict_link(regimes, sizes), seconds),
                 size_range=(float(sizes.min()), float(sizes.max())),
                 source_runs=points.runs,
-                heldout=_heldout(train, test, predicted, seconds[test]).model_copy(
+                heldout=_heldout(train, test, predicted, seconds[test], LINK_GOAL_MAPE).model_copy(
                     update={"lodo_note": "n/a (links)"}
                 ),
             )

@@ -20,6 +20,12 @@ Choices, and why:
 - Memory: where runtime runs measured a device type's peaks, its `MemoryFit` calibrates the
   memory model (`memory_calibration`): the measure a run on that device reads
   (`cpu_max_rss` for `cpu`, `cuda_max_allocated` for a GPU); elsewhere the model as written.
+- Goals: a fit whose held-out extrapolation error missed its goal (`HeldOut.goal_met` False:
+  above 5 % for compute, 10 % for links) is not used: that op family on that device type (or
+  that link class) falls back to the datasheet model, and the label says so. `forced=True`
+  (`--cost-model fitted`) uses every fit anyway, and its label says which it forced.
+- GPU fits predict with the GPU features they were fitted on (`_gpu_features`: SM waves,
+  FlashAttention-2 tiles); CPU fits with the CPU's (`_features`).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from hexiseq.costmodel._features import (
     element_bytes,
     gemm_features,
     memory_bound_features,
+    square_gemm_bytes,
 )
 from hexiseq.costmodel._fit_document import (
     FittedDocument,
@@ -43,6 +50,12 @@ from hexiseq.costmodel._fit_document import (
     OpFit,
     dump_fitted_document,
     parse_fitted_document,
+)
+from hexiseq.costmodel._gpu_features import (
+    GPU_OP_FEATURES,
+    flash_attention_features,
+    gpu_gemm_features,
+    gpu_memory_bound_features,
 )
 from hexiseq.costmodel.base import FloatOrArray
 from hexiseq.costmodel.datasheet import DatasheetCostModel, declared_link_parameters
@@ -61,17 +74,30 @@ class FittedCostModel:
 
     document: FittedDocument
     fallback: DatasheetCostModel = field(default_factory=DatasheetCostModel)
+    forced: bool = False
+    """Use fits that missed their goal too (`--cost-model fitted`); else they fall back."""
     _ops: dict[tuple[str, str], OpFit] = field(init=False, repr=False, compare=False)
+    _missed: dict[tuple[str, str], OpFit] = field(init=False, repr=False, compare=False)
     _links: dict[str, LinkFit] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_ops", _used_op_fits(self.document.ops))
-        object.__setattr__(self, "_links", _used_link_fits(self.document.links))
+        candidates = _used_op_fits(self.document.ops)
+        missed = {key: fit for key, fit in candidates.items() if fit.heldout.goal_met is False}
+        used = candidates if self.forced else _without(candidates, missed)
+        object.__setattr__(self, "_ops", used)
+        object.__setattr__(self, "_missed", missed)
+        links = self.document.links
+        if not self.forced:
+            links = tuple(fit for fit in links if fit.heldout.goal_met is not False)
+        object.__setattr__(self, "_links", _used_link_fits(links))
 
     @classmethod
-    def from_json(cls, text: str, source: str = "fitted model") -> FittedCostModel:
-        """Read the JSON document `to_json` writes; InputError (one line) if it is corrupt."""
-        return cls(parse_fitted_document(text, source))
+    def from_json(
+        cls, text: str, source: str = "fitted model", *, forced: bool = False
+    ) -> FittedCostModel:
+        """Read the JSON document `to_json` writes; InputError (one line) if it is corrupt.
+        `forced`: use fits that missed their goal too (see the class docstring)."""
+        return cls(parse_fitted_document(text, source), forced=forced)
 
     def to_json(self) -> str:
         """The fitted document as JSON text; `from_json` reads it back to an equal model."""
@@ -83,20 +109,31 @@ class FittedCostModel:
         return tuple(dict.fromkeys(gpu for gpu, _ in self._ops))
 
     def label(self, gpu: str) -> str:
-        """ "fitted (profile run 3, 2026-11-22)", naming op families left to the datasheet;
-        the datasheet model's label for a type that was not profiled."""
+        """ "fitted (profile run 3, 2026-11-22)", naming op families left to the datasheet
+        (not profiled, or their fit missed its goal: "attention_fwd: datasheet — fit missed
+        its goal, 7.1 % > 5 %"; forced: "attention_fwd forced although it missed its goal,
+        ..."); the datasheet model's label for a type with no fit used."""
         ops = [op for op in COMPUTE_OPS if (gpu, op) in self._ops]
-        memory = self._memory_note(gpu)
+        missed = [op for op in COMPUTE_OPS if (gpu, op) in self._missed]
+        notes = [self._missed_note(gpu, op) for op in missed] + [self._memory_note(gpu)]
+        suffix = "".join(f"; {note}" for note in notes if note)
         if not ops:
-            return self.fallback.label(gpu) + memory
+            return self.fallback.label(gpu) + suffix
         runs = sorted({run for op in ops for run in self._ops[gpu, op].source_runs})
         label = f"fitted ({_describe_runs(self.document, runs)})"
-        missing = [op for op in COMPUTE_OPS if op not in ops]
-        return label + (f"; datasheet for {', '.join(missing)}" if missing else "") + memory
+        missing = [op for op in COMPUTE_OPS if op not in ops and op not in missed]
+        return label + (f"; datasheet for {', '.join(missing)}" if missing else "") + suffix
+
+    def _missed_note(self, gpu: str, op: str) -> str:
+        heldout = self._missed[gpu, op].heldout
+        numbers = f"{_percent(heldout.extrapolation_mape)} > {_percent(heldout.goal_mape)}"
+        if self.forced:
+            return f"{op}: fit forced by --cost-model fitted though it missed its goal, {numbers}"
+        return f"{op}: datasheet — fit missed its goal, {numbers}"
 
     def _memory_note(self, gpu: str) -> str:
         calibration = self.memory_calibration(gpu)
-        return "; memory calibrated by measured peaks" if calibration is not None else ""
+        return "memory calibrated by measured peaks" if calibration is not None else ""
 
     def gemm_time_s(
         self,
@@ -109,6 +146,11 @@ class FittedCostModel:
         fit = self._ops.get((gpu, "gemm"))
         if fit is None:
             return self.fallback.gemm_time_s(gpu, flops, bytes_moved=bytes_moved, calls=calls)
+        if fit.features == GPU_OP_FEATURES["gemm"]:
+            if bytes_moved is None:
+                bytes_moved = square_gemm_bytes(flops, calls, element_bytes(fit.dtype))
+            ridge = fit.ridge_flops_per_byte
+            return _combine(fit, gpu_gemm_features(flops, bytes_moved, calls, ridge))
         features = gemm_features(
             flops, bytes_moved, calls, element_bytes(fit.dtype), fit.cache_bytes
         )
@@ -125,13 +167,19 @@ class FittedCostModel:
         q_tokens: FloatOrArray | None = None,
         kv_tokens: FloatOrArray | None = None,
         calls: FloatOrArray = 1,
+        kernel: str | None = None,
     ) -> FloatOrArray:
+        """The fit of `gpu`'s attention; the datasheet model where there is none, or where
+        `kernel` (`hexiseq.kernels`; None: the one profiled) is not the kernel profiled."""
         fit = self._ops.get((gpu, "attention_bwd" if backward else "attention_fwd"))
-        if fit is None:
+        if fit is None or not _same_kernel(kernel, fit.attention_kernel):
             return self.fallback.attention_time_s(
                 gpu, pairs, heads, head_dim, backward=backward, q_tokens=q_tokens,
-                kv_tokens=kv_tokens, calls=calls,
+                kv_tokens=kv_tokens, calls=calls, kernel=kernel,
             )  # fmt: skip
+        if fit.features == GPU_OP_FEATURES[fit.op]:
+            return _combine(fit, _flash_features(fit, pairs, heads, head_dim, q_tokens,
+                                                 kv_tokens, calls))  # fmt: skip
         features = attention_features(
             pairs, heads, head_dim, backward=backward, q_tokens=q_tokens, kv_tokens=kv_tokens,
             calls=calls, element_size=element_bytes(fit.dtype), kernel=fit.attention_kernel,
@@ -144,6 +192,9 @@ class FittedCostModel:
         fit = self._ops.get((gpu, "elementwise"))
         if fit is None:
             return self.fallback.memory_bound_time_s(gpu, bytes_moved, calls=calls)
+        if fit.features == GPU_OP_FEATURES["elementwise"]:
+            l2_bytes = fit.cache_bytes[0] if fit.cache_bytes else None
+            return _combine(fit, gpu_memory_bound_features(bytes_moved, calls, l2_bytes))
         return _combine(fit, memory_bound_features(bytes_moved, calls, fit.cache_bytes))
 
     def transfer_time_s(
@@ -189,19 +240,66 @@ class FittedCostModel:
         return MemoryCalibration(reserve_bytes=int(round(fit.reserve_bytes)), scale=fit.scale)
 
     def link_label(self, link_class: str) -> str:
-        """ "measured (p2p)" for a profiled link class, else "declared x link efficiency"."""
+        """ "measured (p2p)" for a profiled link class, else "declared x link efficiency",
+        naming a fit of the class that missed its goal (and "forced" where it is used)."""
         fit = self._links.get(link_class)
-        return f"measured ({fit.op})" if fit else "declared x link efficiency"
+        missed = [f for f in self.document.links if f.link_class == link_class]
+        missed = [f for f in missed if f.heldout.goal_met is False]
+        notes = "".join(
+            f"; {f.op} fit {'forced, ' if self.forced else 'not used, '}missed its goal "
+            f"({_percent(f.heldout.extrapolation_mape)} > {_percent(f.heldout.goal_mape)})"
+            for f in missed
+        )
+        return (f"measured ({fit.op})" if fit else "declared x link efficiency") + notes
+
+
+def _flash_features(fit: OpFit, pairs, heads, head_dim, q_tokens, kv_tokens, calls):
+    """GPU attention features of the `attention_time_s` arguments: unknown token counts are
+    square full blocks; a block is causal when its pairs are nearer the causal count of its
+    box than the full count (`hexiseq.profiles.attention_pairs`)."""
+    if q_tokens is None or kv_tokens is None:
+        q_tokens = kv_tokens = np.sqrt(np.divide(pairs, calls))
+    q, kv = np.maximum(np.rint(q_tokens), 1.0), np.maximum(np.rint(kv_tokens), 1.0)
+    full = np.multiply(q, kv)
+    square = np.minimum(q, kv)
+    causal_pairs = square * (square + 1) / 2 + (q - square) * kv
+    causal = np.divide(pairs, calls) <= (full + causal_pairs) / 2
+    causal = causal & (causal_pairs < full)
+    return flash_attention_features(
+        q, kv, heads, head_dim, causal=causal, backward=fit.op == "attention_bwd",
+        calls=calls, element_size=element_bytes(fit.dtype), sm_count=fit.sm_count,
+    )  # fmt: skip
 
 
 def _combine(fit: OpFit, features: Sequence[FloatOrArray]) -> FloatOrArray:
     """Σ coefficient x feature, in a fixed order (arrays give what scalars give). `features`
-    are the op's current ones (OP_FEATURES); a fit of an older schema uses those it names."""
-    named = dict(zip(OP_FEATURES[fit.op], features))
+    are the op's current ones of the fit's kind (OP_FEATURES or GPU_OP_FEATURES); a fit of an
+    older schema uses those it names."""
+    names = GPU_OP_FEATURES[fit.op] if fit.features == GPU_OP_FEATURES[fit.op] else None
+    named = dict(zip(names or OP_FEATURES[fit.op], features))
     seconds = 0.0
     for coefficient, name in zip(fit.coefficients, fit.features):
         seconds = seconds + coefficient * named[name]
     return seconds
+
+
+_LEGACY_KERNEL_NAMES = {"cuda_flash": "flash", "cuda_efficient": "efficient"}
+"""Profiler names of rows written before `hexiseq.kernels` named the kernels."""
+
+
+def _same_kernel(asked: str | None, profiled: str | None) -> bool:
+    """Whether the kernel a caller asks about is the one the fit profiled (None: any)."""
+    if asked is None or profiled is None:
+        return True
+    return _LEGACY_KERNEL_NAMES.get(asked, asked) == _LEGACY_KERNEL_NAMES.get(profiled, profiled)
+
+
+def _percent(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{100 * fraction:.1f} %".replace(".0 %", " %")
+
+
+def _without(fits: dict, dropped: dict) -> dict:
+    return {key: fit for key, fit in fits.items() if key not in dropped}
 
 
 def _link_numbers(fit: LinkFit) -> tuple[float, float]:

@@ -1,20 +1,37 @@
-"""Closed-form memory model per rank (DESIGN.md §6).
+"""Per-rank memory model of the runtime's training step, term by term (DESIGN.md §6).
 
-Peak memory of a rank during a training step is
+Every term is a buffer `hexiseq.runtime` really allocates, counted from its code (the shapes and
+dtypes below) and checked against what it allocates (`tests/costmodel/test_memory_runtime.py`
+runs the real step on CPU under `hexiseq.runtime.allocations.AllocationTracker`, which counts
+every live storage). The peak is the largest of five moments of a steady step (step >= 1, when
+the AdamW states exist):
 
-    model states + sharding buffers + activation checkpoints + framework reserve
-    + the largest transient: one layer's backward at its peak phase, or the loss's logits.
+- **forward end**: parameters, AdamW states, the residual stream (the embedding output and
+  every block's output: the activation checkpoints), every layer's saved activations when not
+  checkpointing, the head's saved tensors, the logits, and autocast's cache of compute-dtype
+  weight copies (freed when the forward's autocast region ends);
+- **loss backward**: the same without the cache, plus the cross-entropy's FP32 buffers: the
+  log-softmax output it saved, the gradient of that output and the gradient of the logits
+  (12 bytes per logit; `runtime/loss.py` upcasts all logits to FP32);
+- **first layer backward** (the last block, with every activation still held) and **last
+  layer backward** (block 0, with every gradient): a layer's activations (recomputed under
+  checkpointing) plus the larger of its MLP-phase and attention-phase transients;
+- **optimizer**: parameters, gradients, AdamW states and foreach AdamW's one FP32 temporary
+  the size of the parameters (`torch._foreach_sqrt` of the second moments), while the step's
+  logits are still referenced by the train loop.
 
-A layer's backward peaks either in its MLP phase (all its activations + MLP gradients) or in
-its attention phase (the MLP activations freed; dq/dk/dv and the ring's travelling blocks).
-The logits live between the last layer's forward and the LM head's backward, when no layer
-is being recomputed, so they never coexist with a layer's working set. Each term's source is
-in its function's docstring. Everything is in bytes.
+Dtypes follow the runtime: parameters, gradients and AdamW states in FP32; with one rank the
+weights stay FP32 and autocast casts each linear's weight to the compute dtype at every use,
+and the residual stream is FP32 (the embedding is not autocast); with more ranks FSDP2 gathers
+the weights in the compute dtype, so the stream is in the compute dtype too.
 
-Where peaks were measured (`hexiseq run` records each rank's), a fitted cost model carries a
-`MemoryCalibration` per device type: the measured peak ≈ reserve + scale x (the model's peak
-without its reserve), fitted by `hexiseq fit`. `rank_memory` applies it term by term (every
-term scaled, the reserve replaced), so the terms still add up and stay affine in the tokens.
+On CUDA the peak is what `torch.cuda.max_memory_allocated` reports plus kernel workspaces the
+CPU does not have; outside it, and still on the card, are the CUDA context, NCCL's buffers and
+the caching allocator's fragmentation (`reserve`), which the 95 % cap must leave room for.
+
+Where peaks were measured (`hexiseq run` records each rank's), a fitted cost model may carry a
+`MemoryCalibration` per device type (reserve + scale x the model); `rank_memory` applies it term
+by term, so the terms still add up and stay affine in the tokens.
 """
 
 from __future__ import annotations
@@ -22,18 +39,31 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from hexiseq.catalog import GiB
+from hexiseq.catalog import GiB, MiB
 from hexiseq.cluster import Cluster
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 
 MEMORY_LIMIT_FRACTION = 0.95
-# CUDA context (~0.5 GiB on Hopper), NCCL channel buffers and caching-allocator fragmentation:
-# an assumption where no peak was measured (a `MemoryCalibration` replaces it).
-GPU_RESERVE_BYTES = 2 * GiB
-CPU_RESERVE_BYTES = GiB // 4
-LOGITS_BYTES_PER_ELEMENT = 6  # BF16 logits + their FP32 upcast for a stable cross-entropy
 FP32 = 4
+MASTER_BYTES = FP32  # parameters and gradients are FP32 in the runtime (autocast / FSDP2 policy)
+LOSS_BYTES_PER_LOGIT = 12  # FP32 log-softmax output (saved) + its gradient + the logits' gradient
+# CUDA kernels' workspaces inside `max_memory_allocated` that a CPU run does not allocate:
+# cuBLAS/cuBLASLt workspaces (32 MiB each on Hopper, PyTorch `CublasHandlePool.cpp`) and the
+# flash kernels' small buffers. Checked against the shared H100 run of `small` at 32K tokens
+# (measured 2.386 GiB allocated, this model without the term 2.31 GiB).
+CUDA_WORKSPACE_BYTES = 64 * MiB
+# Outside `max_memory_allocated`, on the card: the CUDA context with cuBLAS/cuDNN loaded
+# (~0.5-0.6 GiB on Hopper, torch 2.x) and NCCL's channel buffers (~0.3 GiB per communicator
+# on NVLink at default NCCL_BUFFSIZE 4 MiB x channels): 1 GiB.
+CUDA_CONTEXT_BYTES = GiB
+# The caching allocator's reserved-but-unallocated memory. `hexiseq run` sets
+# PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which maps segments as they grow instead
+# of splitting fixed ones; the default allocator left 9 GiB unallocated at the shared H100
+# run's OOM (16K tokens, llama3.2-3b) while expandable segments ran it at 89 % of the card.
+CUDA_FRAGMENTATION_FRACTION = 0.03
+# CPU: the interpreter, torch and gloo (resident, outside tensor allocations).
+CPU_RESERVE_BYTES = GiB // 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,54 +79,144 @@ class MemoryCalibration:
         return int(round(self.scale * modelled_bytes))
 
 
+PHASES = (
+    "forward_end",
+    "loss_backward",
+    "first_layer_backward:mlp",
+    "first_layer_backward:attention",
+    "last_layer_backward:mlp",
+    "last_layer_backward:attention",
+    "optimizer",
+)
+"""The moments of a step whose allocations the model adds up; each is affine in the tokens."""
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryBreakdown:
-    """One rank's predicted peak memory, by term, in bytes.
+    """One rank's memory by term, in bytes; `phase_bytes` adds them up per moment of the step.
 
-    Persistent through the step: model states, sharding buffers, checkpoints, reserve.
-    Transient, one at a time: a layer's backward (its activations plus the MLP-phase or the
-    attention-phase transients, whichever is larger) or the loss's logits.
-    """
+    States (this rank's shard): `parameters`, `gradients`, `optimizer_states`;
+    `gathered_parameters`: FSDP2's root unit gathered in the compute dtype (forward and
+    backward); `sharding_backward_buffers`: a block's gathered weights and its gradients'
+    reduce-scatter buffers (backward only).
+    Activations: `embedding_output` (the stream's first tensor and RoPE's tables),
+    `checkpoints` (every block's output; `block_output` is one of them),
+    `saved_activations` (every layer's, without checkpointing), `layer_activations` (one
+    layer's, recomputed under checkpointing; `mlp_activations` is its part freed before the
+    attention backward), `weight_cache` (autocast's copies of every weight, forward only),
+    `head_activations`, `logits`.
+    Transients: `loss_transients`, `head_gradients`, `mlp_backward_transients`,
+    `attention_backward_transients`, `ring_buffers`, `optimizer_transients`;
+    `pending_gradients`: the gradients not yet made when block 0's MLP backward peaks.
+    Device: `kernel_workspaces` (allocated); `reserve` (context, not allocated) and
+    `fragmentation` (the allocator's reserved-but-unallocated share of each phase)."""
 
-    model_states: int
-    sharding_buffers: int
+    parameters: int
+    gradients: int
+    optimizer_states: int
+    gathered_parameters: int
+    sharding_backward_buffers: int
+    embedding_output: int
     checkpoints: int
+    block_output: int
+    saved_activations: int
     layer_activations: int
     mlp_activations: int
+    weight_cache: int
+    head_activations: int
+    logits: int
+    loss_transients: int
+    head_gradients: int
     mlp_backward_transients: int
     attention_backward_transients: int
     ring_buffers: int
-    logits: int
+    pending_gradients: int
+    optimizer_transients: int
+    kernel_workspaces: int
     reserve: int
+    fragmentation: float = 0.0
 
     @property
-    def working_set_bytes(self) -> int:
-        """The largest transient: one layer's backward at its peak phase, or the logits."""
-        mlp_phase = self.layer_activations + self.mlp_backward_transients
-        attention_phase = (
-            self.layer_activations
-            - self.mlp_activations
-            + self.attention_backward_transients
-            + self.ring_buffers
-        )
-        return max(mlp_phase, attention_phase, self.logits)
+    def model_states(self) -> int:
+        """Parameters, gradients and AdamW states of this rank's shard."""
+        return self.parameters + self.gradients + self.optimizer_states
+
+    def phase_bytes(self) -> dict[str, int]:
+        """Bytes allocated at each moment of the step (`PHASES`): what CUDA's
+        `max_memory_allocated` counts, without the reserve and fragmentation."""
+        states = self.parameters + self.optimizer_states + self.kernel_workspaces
+        held = states + self.gathered_parameters
+        backward = held + self.sharding_backward_buffers
+        stream = self.embedding_output + self.checkpoints
+        forward = held + stream + self.saved_activations + self.head_activations + self.logits
+        # In the backward the layer at work holds its activations (recomputed, or still saved:
+        # `saved_activations` already holds them then) and one phase's transients. The last
+        # block's output went with the final norm's backward; block 0 runs with every
+        # gradient made but its own and the embedding's.
+        first = backward + stream - self.block_output
+        first += max(self.saved_activations, self.layer_activations)
+        first += self.logits + self.head_gradients
+        last = backward + self.gradients - self.pending_gradients + self.embedding_output
+        last += self.layer_activations + self.logits
+        mlp = self.mlp_backward_transients
+        attention = self.attention_backward_transients + self.ring_buffers - self.mlp_activations
+        return {
+            "forward_end": forward + self.weight_cache,
+            "loss_backward": forward + self.loss_transients,
+            "first_layer_backward:mlp": first + mlp,
+            "first_layer_backward:attention": first + attention,
+            "last_layer_backward:mlp": last + mlp,
+            "last_layer_backward:attention": last + attention,
+            "optimizer": states + self.gradients + self.logits + self.optimizer_transients,
+        }
+
+    def phase_peaks(self) -> dict[str, int]:
+        """What each moment needs of the device: allocated bytes, the allocator's
+        fragmentation around them, and the reserve."""
+        return {
+            phase: int(allocated * (1.0 + self.fragmentation)) + self.reserve
+            for phase, allocated in self.phase_bytes().items()
+        }
+
+    @property
+    def peak_phase(self) -> str:
+        phases = self.phase_bytes()
+        return max(phases, key=phases.__getitem__)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """The largest phase: the peak of allocated memory (CUDA `max_memory_allocated`)."""
+        return max(self.phase_bytes().values())
 
     @property
     def peak_bytes(self) -> int:
-        persistent = self.model_states + self.sharding_buffers + self.checkpoints + self.reserve
-        return persistent + self.working_set_bytes
+        """What the device must hold at the worst moment: allocated, fragmentation, reserve."""
+        return max(self.phase_peaks().values())
 
     def terms(self) -> dict[str, int]:
-        """The peak split into the terms a person reads: they add up to `peak_bytes`."""
+        """The peak split into the terms a person reads; they add up to `peak_bytes`."""
+        phase = self.peak_phase
+        with_gradients = phase.startswith(("last_layer", "optimizer"))
+        states = self.parameters + self.optimizer_states
+        states += self.gradients if with_gradients else 0
+        if phase.startswith("last_layer"):
+            activations = self.embedding_output + self.layer_activations
+        elif phase == "optimizer":
+            activations = 0
+        else:
+            activations = self.embedding_output + self.checkpoints + self.saved_activations
+        allocated = self.allocated_bytes
+        fixed = states + activations + self.gathered_parameters + self.kernel_workspaces
         return {
-            "model_states": self.model_states,
-            "sharding_buffers": self.sharding_buffers,
-            "checkpoints": self.checkpoints,
-            "working_set": self.working_set_bytes,
-            "reserve": self.reserve,
+            "model_states": states,
+            "sharding_buffers": self.gathered_parameters,
+            "activations": activations,
+            "working_set": allocated - fixed,
+            "workspaces": self.kernel_workspaces,
+            "reserve": self.peak_bytes - allocated,
         }
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | float]:
         return asdict(self)
 
 
@@ -113,7 +233,8 @@ def even_state_fractions(world_size: int) -> list[float]:
 @dataclass(frozen=True, slots=True)
 class RankShape:
     """What a rank's memory depends on: its tokens, its group's segment, its heads and K/V
-    heads, the largest ring block that visits it (0 with one group), and whether it is a CPU."""
+    heads, the largest ring block that visits it (0 with one group), whether it is a CPU,
+    and whether model states are sharded (FSDP2 runs with more than one rank)."""
 
     tokens: int
     segment: int
@@ -121,6 +242,7 @@ class RankShape:
     kv_heads: int
     largest_block: int
     is_cpu: bool = False
+    sharded: bool = False
 
 
 def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
@@ -141,6 +263,7 @@ def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
                 kv_heads=high - low,
                 largest_block=largest,
                 is_cpu=device.gpu == "cpu",
+                sharded=layout.world_size > 1,
             )
         )
     return shapes
@@ -174,113 +297,218 @@ def rank_memory(
     state_fraction: float,
     calibration: MemoryCalibration | None = None,
 ) -> MemoryBreakdown:
-    """Peak memory of one rank of the given shape, by term. Every term is affine in the
-    shape's token counts and in `state_fraction` (the planner's MILP relies on it), with a
-    `calibration` too."""
+    """Memory of one rank of the given shape, by term. Every term is affine in the shape's
+    token counts and in `state_fraction`, so every phase is (the planner's MILP relies on
+    it), with a `calibration` too."""
     modelled = _modelled_memory(model, train, shape, state_fraction)
     if calibration is None:
         return modelled
-    terms = {name: calibration.term(value) for name, value in asdict(modelled).items()}
-    return MemoryBreakdown(**(terms | {"reserve": calibration.reserve_bytes}))
+    terms = {
+        name: calibration.term(value)
+        for name, value in asdict(modelled).items()
+        if name not in ("reserve", "fragmentation")
+    }
+    return MemoryBreakdown(
+        **terms, reserve=calibration.reserve_bytes, fragmentation=modelled.fragmentation
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Dtypes:
+    """Bytes per element of what the runtime computes with (see the module docstring)."""
+
+    compute: int  # matmul inputs and outputs, attention, logits
+    stream: int  # the residual stream, RMSNorm outputs
+    casts_weights: bool  # autocast copies FP32 weights to `compute` at every use
+
+
+def _dtypes(train: TrainSpec, shape: RankShape) -> _Dtypes:
+    compute = train.compute_dtype_bytes
+    if shape.sharded:  # FSDP2 gathers the weights in the compute dtype: no casts, no FP32 stream
+        return _Dtypes(compute, compute, False)
+    return _Dtypes(compute, MASTER_BYTES, compute != MASTER_BYTES)
 
 
 def _modelled_memory(
     model: ModelSpec, train: TrainSpec, shape: RankShape, state_fraction: float
 ) -> MemoryBreakdown:
+    dtypes = _dtypes(train, shape)
+    layer = layer_activation_bytes(model, dtypes, shape)
+    cuda = not shape.is_cpu
     return MemoryBreakdown(
-        model_states=model_state_bytes(model, train, state_fraction),
-        sharding_buffers=sharding_buffer_bytes(model, train),
-        checkpoints=checkpoint_bytes(model, train, shape),
-        layer_activations=layer_activation_bytes(model, train, shape),
-        mlp_activations=mlp_activation_bytes(model, train, shape.tokens),
-        mlp_backward_transients=mlp_backward_bytes(model, train, shape.tokens),
-        attention_backward_transients=attention_backward_bytes(model, train, shape),
-        ring_buffers=ring_buffer_bytes(model, shape),
-        logits=logits_bytes(model, shape.tokens),
-        reserve=CPU_RESERVE_BYTES if shape.is_cpu else GPU_RESERVE_BYTES,
+        parameters=int(model.params * MASTER_BYTES * state_fraction),
+        gradients=int(model.params * MASTER_BYTES * state_fraction),
+        optimizer_states=int(
+            model.params * (train.bytes_per_param_state - 2 * MASTER_BYTES) * state_fraction
+        ),
+        gathered_parameters=gathered_parameter_bytes(model, dtypes, shape),
+        sharding_backward_buffers=sharding_backward_bytes(model, dtypes, shape, state_fraction),
+        embedding_output=embedding_output_bytes(model, dtypes, shape.tokens),
+        checkpoints=model.layers * shape.tokens * model.hidden * dtypes.stream,
+        block_output=shape.tokens * model.hidden * dtypes.stream,
+        saved_activations=0 if train.activation_checkpointing else model.layers * layer,
+        layer_activations=layer,
+        mlp_activations=mlp_activation_bytes(model, dtypes, shape.tokens),
+        weight_cache=weight_cache_bytes(model, dtypes, train.activation_checkpointing),
+        head_activations=head_activation_bytes(model, dtypes, shape.tokens),
+        logits=shape.tokens * model.vocab * dtypes.compute,
+        loss_transients=shape.tokens * model.vocab * LOSS_BYTES_PER_LOGIT,
+        head_gradients=model.vocab * model.hidden * MASTER_BYTES,
+        mlp_backward_transients=mlp_backward_bytes(model, dtypes, shape.tokens),
+        attention_backward_transients=attention_backward_bytes(model, dtypes, shape, cuda),
+        ring_buffers=ring_buffer_bytes(model, dtypes, shape),
+        pending_gradients=int(pending_gradient_params(model) * MASTER_BYTES * state_fraction),
+        optimizer_transients=int(model.params * MASTER_BYTES * state_fraction),
+        kernel_workspaces=CUDA_WORKSPACE_BYTES if cuda else 0,
+        reserve=CUDA_CONTEXT_BYTES if cuda else CPU_RESERVE_BYTES,
+        fragmentation=CUDA_FRAGMENTATION_FRACTION if cuda else 0.0,
     )
 
 
-def model_state_bytes(model: ModelSpec, train: TrainSpec, state_fraction: float) -> int:
-    """This rank's shard of parameters, gradients and Adam states.
+def _linear_params_per_layer(model: ModelSpec) -> int:
+    return model.params_per_layer - 2 * model.hidden  # without the two RMSNorm weights
 
-    Mixed-precision Adam keeps 16 bytes per parameter (FP32 master weights 4, momentum 4,
-    variance 4, BF16 weights 2 and gradients 2: Rajbhandari et al. 2020, ZeRO, §3.1); ZeRO-3 /
-    FSDP shards all of it across the data domain, here the whole CP-HP domain (DESIGN.md §6).
+
+def pending_gradient_params(model: ModelSpec) -> int:
+    """Parameters whose gradients do not exist yet at block 0's MLP-backward peak: block 0's
+    own but the down projection's (done first), and an untied embedding's (made last)."""
+    embedding = 0 if model.tied_embeddings else model.embedding_params
+    return model.params_per_layer - model.hidden * model.ffn_hidden + embedding
+
+
+def gathered_parameter_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape) -> int:
+    """FSDP2's root unit (embedding, final norm, LM head) gathered in the compute dtype
+    (`runtime/sharding.py`): FSDP2 does not reshard the root after the forward, so it stays
+    gathered until the backward ends. Nothing when one rank holds everything."""
+    if not shape.sharded:
+        return 0
+    return (model.embedding_params + model.head_params) * dtypes.compute
+
+
+def sharding_backward_bytes(
+    model: ModelSpec, dtypes: _Dtypes, shape: RankShape, state_fraction: float
+) -> int:
+    """FSDP2's buffers while a block's backward runs: the block's weights gathered in the
+    compute dtype, the previous block's unsharded gradients in FP32 on their way into the
+    reduce-scatter (the runtime reduces in FP32), and two FP32 gradient shards (reduce
+    output and accumulation). A block's forward gathers its weights only while it runs."""
+    if not shape.sharded:
+        return 0
+    block = model.params_per_layer
+    return int(block * (dtypes.compute + FP32) + 2 * block * FP32 * state_fraction)
+
+
+def embedding_output_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+    """The embedding's output (block 0's input) and RoPE's cos and sin tables (T x D each),
+    in the stream's dtype (`runtime/model.py` `rope_tables`)."""
+    return tokens * (model.hidden + 2 * model.head_dim) * dtypes.stream
+
+
+def _norm_saved_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+    """An RMSNorm's saved tensors: the FP32 normalized input (saved by the weight multiply),
+    the FP32 reciprocal RMS per token, and an FP32 copy of the input when the stream is not
+    FP32 (saved by the square); an FP32 input is the stream tensor itself."""
+    upcast = model.hidden * FP32 if dtypes.stream != FP32 else 0
+    return tokens * (model.hidden * FP32 + FP32 + upcast)
+
+
+def _input_copies(dtypes: _Dtypes, consumers: int) -> int:
+    """Copies of a norm's output the projections save: autocast casts it for each consumer
+    when its dtype differs from the compute dtype; otherwise all share one tensor."""
+    return consumers if dtypes.stream != dtypes.compute else 1
+
+
+def layer_activation_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape) -> int:
+    """What one decoder block saves for its backward on this rank, its output excluded (the
+    output is the next block's checkpoint). From `runtime/model.py` and `runtime/_ring.py`:
+
+    - attention norm (`_norm_saved_bytes`); its output for q, k and v (`_input_copies`);
+    - head form over the group's segment (`RingAttention.forward`): q, K and V (sorted
+      contiguous copies), the output in the compute dtype and the FP32 log-sum-exp;
+    - the attention output in sequence form, saved by the output projection;
+    - the MLP part (`mlp_activation_bytes`);
+    - with autocast over FP32 weights, every linear's compute-dtype weight copy.
     """
-    return int(model.params * train.bytes_per_param_state * state_fraction)
+    c, tokens, segment = dtypes.compute, shape.tokens, shape.segment
+    q_width = model.heads * model.head_dim
+    norm = _norm_saved_bytes(model, dtypes, tokens)
+    qkv_inputs = _input_copies(dtypes, 3) * tokens * model.hidden * c
+    rank_q, rank_kv = shape.heads * model.head_dim, shape.kv_heads * model.head_dim
+    head_form = segment * ((2 * rank_q + 2 * rank_kv) * c + shape.heads * FP32)
+    output_projection = tokens * q_width * c
+    attention_weights = _attention_weight_copies(model, dtypes)
+    mlp = mlp_activation_bytes(model, dtypes, tokens)
+    return norm + qkv_inputs + head_form + output_projection + attention_weights + mlp
 
 
-def sharding_buffer_bytes(model: ModelSpec, train: TrainSpec) -> int:
-    """Unsharded parameters gathered for compute and unsharded gradients before reduce-scatter.
-
-    FSDP keeps the current layer's BF16 weights, prefetches the next layer's, and holds the
-    current layer's BF16 gradients until they are reduce-scattered (PyTorch FSDP paper, Zhao et
-    al. 2023, §3.3-3.4): three layers' worth; the LM head/embedding are gathered on their own.
-    """
-    layer = 3 * model.params_per_layer
-    head = 2 * model.vocab * model.hidden  # weights + gradients of the LM head when gathered
-    return max(layer, head) * train.compute_dtype_bytes
+def _attention_weight_copies(model: ModelSpec, dtypes: _Dtypes) -> int:
+    if not dtypes.casts_weights:
+        return 0
+    return (_linear_params_per_layer(model) - 3 * model.hidden * model.ffn_hidden) * dtypes.compute
 
 
-def checkpoint_bytes(model: ModelSpec, train: TrainSpec, shape: RankShape) -> int:
-    """Activations kept through the forward pass.
-
-    With full activation checkpointing only each layer's input (hidden per token) is kept
-    (Chen et al. 2016; Korthikanti et al. 2022 §4); without it every layer keeps its working set.
-    """
-    if train.activation_checkpointing:
-        return model.layers * shape.tokens * model.hidden * train.compute_dtype_bytes
-    return model.layers * layer_activation_bytes(model, train, shape)
-
-
-def layer_activation_bytes(model: ModelSpec, train: TrainSpec, shape: RankShape) -> int:
-    """Activations one layer saves for its backward pass on this rank.
-
-    What autograd keeps for a Llama block with FlashAttention (no s² scores; Korthikanti et al.
-    2022 §4.1 for the method). Sequence-sharded part, per token (BF16): the first norm's output
-    (saved by the q/k/v matmul), the attention output (saved by the output projection), the
-    residual sum and the second norm's output (hidden each), and the MLP's activations
-    (`mlp_activation_bytes`). The layer input is the checkpoint itself; q/k/v in sequence form
-    are freed after the all-to-all (RoPE saves only its tables). Head-sharded part: q, k, v and
-    the output of this rank's heads over its group's whole segment, plus FP32 log-sum-exp.
-    """
-    per_token = 3 * model.hidden + model.heads * model.head_dim
-    sequence_part = shape.tokens * per_token * train.compute_dtype_bytes
-    heads, kv_heads = shape.heads, shape.kv_heads
-    per_segment_token = (2 * heads + 2 * kv_heads) * model.head_dim * train.compute_dtype_bytes
-    head_part = shape.segment * (per_segment_token + heads * FP32)
-    return sequence_part + head_part + mlp_activation_bytes(model, train, shape.tokens)
+def mlp_activation_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+    """The block's part freed before its attention backward: the MLP norm's saved tensors,
+    its output for gate and up, SwiGLU's gate, silu(gate), up and their product (4 x ffn per
+    token), and the MLP weights' compute-dtype copies under autocast."""
+    c = dtypes.compute
+    norm = _norm_saved_bytes(model, dtypes, tokens)
+    if dtypes.stream == FP32:
+        norm += tokens * model.hidden * FP32  # the residual sum itself is the FP32 input
+    inputs = _input_copies(dtypes, 2) * tokens * model.hidden * c
+    swiglu = 4 * tokens * model.ffn_hidden * c
+    weights = 3 * model.hidden * model.ffn_hidden * c if dtypes.casts_weights else 0
+    return norm + inputs + swiglu + weights
 
 
-def mlp_activation_bytes(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
-    """SwiGLU's saved activations: gate, up, silu(gate) and the product (4 x ffn per token)."""
-    return tokens * 4 * model.ffn_hidden * train.compute_dtype_bytes
+def weight_cache_bytes(model: ModelSpec, dtypes: _Dtypes, checkpointing: bool) -> int:
+    """Autocast's cache of compute-dtype weight copies, held until the forward's autocast
+    region ends. Without checkpointing every copy is saved by its matmul anyway
+    (`layer_activation_bytes`); with it the cache alone holds them."""
+    if not (dtypes.casts_weights and checkpointing):
+        return 0
+    return model.layers * _linear_params_per_layer(model) * dtypes.compute
 
 
-def mlp_backward_bytes(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
-    """Gradient transients at the MLP backward's peak: d(product), d(gate), d(up)."""
-    return tokens * 3 * model.ffn_hidden * train.compute_dtype_bytes
+def head_activation_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+    """The final norm's saved tensors, its output in the compute dtype (saved by the LM head)
+    and, under autocast, the LM head weight's compute-dtype copy."""
+    norm = _norm_saved_bytes(model, dtypes, tokens)
+    output = tokens * model.hidden * dtypes.compute
+    weight = model.vocab * model.hidden * dtypes.compute if dtypes.casts_weights else 0
+    return norm + output + weight
 
 
-def attention_backward_bytes(model: ModelSpec, train: TrainSpec, shape: RankShape) -> int:
-    """dq/dk/dv of this rank's heads over its segment plus FlashAttention's FP32 dq
-    accumulator (Dao 2023, §3.2). By then the MLP's activations are freed."""
-    heads, kv_heads = shape.heads, shape.kv_heads
-    per_token = (heads + 2 * kv_heads) * train.compute_dtype_bytes + heads * FP32
-    return shape.segment * model.head_dim * per_token
+def mlp_backward_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+    """The MLP backward's peak, above the block's activations: the gradients of the SwiGLU
+    product, of silu(gate) and of up (the product itself freed: net 2 x ffn per token), and
+    the residual stream's gradient; the down projection's weight copy is freed by then."""
+    per_token = 2 * model.ffn_hidden * dtypes.compute + model.hidden * dtypes.stream
+    down_copy = model.hidden * model.ffn_hidden * dtypes.compute if dtypes.casts_weights else 0
+    return tokens * per_token - down_copy
 
 
-def ring_buffer_bytes(model: ModelSpec, shape: RankShape) -> int:
-    """Ring attention's in-flight blocks in the backward pass (the larger of the two passes).
+def attention_backward_bytes(
+    model: ModelSpec, dtypes: _Dtypes, shape: RankShape, cuda: bool
+) -> int:
+    """The attention backward's peak above the block's activations (`runtime/_ring.py`,
+    `runtime/_block.py`): the FP32 dQ accumulator and the sorted dO copy over the segment; a
+    block's K/V expanded to the query heads (GQA), its FP32 dK/dV, expanded and reduced; the
+    kernel's dq, dk, dv of a tile; the residual stream's gradient and the attention output's
+    gradient in sequence form. FlashAttention-2's CUDA backward adds its own FP32 dQ
+    accumulator (Dao 2023, Algorithm 2)."""
+    c, segment = dtypes.compute, shape.segment
+    block = max(shape.segment, shape.largest_block)
+    rank_q, rank_kv = shape.heads * model.head_dim, shape.kv_heads * model.head_dim
+    query_side = segment * rank_q * (FP32 + c + c + (FP32 if cuda else 0))
+    key_side = block * (2 * rank_q * (c + FP32 + c) + 2 * rank_kv * FP32)
+    sequence = shape.tokens * (model.hidden * dtypes.stream + model.heads * model.head_dim * c)
+    return query_side + key_side + sequence
 
-    The K/V block in hand and the next one (BF16, double-buffered), each with its travelling
-    FP32 dK/dV accumulators, sized for the largest block that visits (Liu et al. 2023, Ring
-    Attention; ring-flash-attention keeps dK/dV in FP32 while they travel).
-    """
-    return 2 * shape.largest_block * 2 * shape.kv_heads * model.head_dim * (2 + FP32)
 
-
-def logits_bytes(model: ModelSpec, tokens: int) -> int:
-    """LM-head logits of this rank's tokens for the cross-entropy loss and its gradient."""
-    return tokens * model.vocab * LOGITS_BYTES_PER_ELEMENT
+def ring_buffer_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape) -> int:
+    """Ring attention's in-flight blocks in the backward pass: the K/V block in hand and the
+    next one (compute dtype), each with its travelling FP32 dK/dV, sized for the largest
+    block that visits (Liu et al. 2023, Ring Attention; `runtime/_ring.py`)."""
+    per_block = 2 * shape.kv_heads * model.head_dim * (dtypes.compute + FP32)
+    return 2 * shape.largest_block * per_block

@@ -16,6 +16,11 @@ domain, so every layer starts in step on all ranks; it overlaps the layer's comp
 its excess is exposed. A layer therefore takes as long as its slowest rank, and the step is
 layers x (forward + backward layer) + head + optimizer.
 
+Besides GEMMs, attention and communication, each rank's time holds what the torch runtime
+really runs between them (`_runtime_work`, `_step_parts`): the block's elementwise kernels
+(norms, RoPE, SwiGLU, residual adds, attention's transposes and online-softmax merge) and
+autocast's casts, the loss kernels, AdamW, and the launch overhead of many short kernels.
+
 The plan search simulates many candidates on up to 1024 ranks and 1024 ring steps, so every
 event is computed for all ranks at once: what depends on the plan only (linear, all-to-all
 and per-step ring times) is tabulated once with one cost-model call per GPU type, and only the
@@ -38,17 +43,19 @@ from hexiseq.costmodel._state import (
     Ledger,
     SimContext,
     make_context,
-    per_gpu_type,
 )
-from hexiseq.costmodel._traffic import FP32
+from hexiseq.costmodel._step_parts import (
+    Parts,
+    gemm_parts,
+    head_and_loss_parts,
+    layer_bandwidth_parts,
+    optimizer_parts,
+)
 from hexiseq.costmodel.base import CostModel, memory_calibrations
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, even_state_fractions
-from hexiseq.flops import head_flops_per_token
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import RankTime
-
-ADAM_BYTES_PER_PARAM = 32  # reads FP32 param, grad, m, v; writes param, m, v and a BF16 copy
 
 
 @dataclass(frozen=True)
@@ -65,11 +72,14 @@ class StepPrediction:
 
 @dataclass(frozen=True)
 class _LayerTables:
-    """What every layer's events reuse: per-rank linear times, per-group all-to-all times and
-    the ring tables (all depend on the plan only, not on when an event starts)."""
+    """What every layer's events reuse: per-rank linear and bandwidth-bound times, per-group
+    all-to-all times and the ring tables (all depend on the plan only, not on when an event
+    starts). Parts are breakdown key -> [rank] seconds."""
 
-    before_attention_s: np.ndarray  # [rank] forward norm, q/k/v, RoPE
-    after_attention_s: np.ndarray  # [rank] forward output projection, norm, MLP
+    before_attention: Parts  # forward q/k/v GEMMs (and their launch overhead)
+    after_attention: Parts  # forward output projection and SwiGLU GEMMs
+    forward_bandwidth: Parts  # forward elementwise kernels and casts of the block
+    backward_bandwidth: Parts  # their backward
     all_to_all_qkv_s: np.ndarray  # [group] q and K/V into head form (dq/dK/dV back)
     all_to_all_q_s: np.ndarray  # [group] the query-head part only (output, or dO)
     ring: RingTables
@@ -91,15 +101,15 @@ def simulate_step(
     _check_compatible(cluster, model, layout)
     fractions = list(state_fractions or even_state_fractions(layout.world_size))
     context = make_context(cluster, model, train, layout, cost)
-    tables = _layer_tables(context)
+    tables = _layer_tables(context, fractions)
     layer_ledger = Ledger(layout.world_size)
     forward_s = _simulate_layer(context, tables, layer_ledger, backward=False)
     backward_s = _simulate_layer(context, tables, layer_ledger, backward=True)
     _add_sharding_exposure(context, layer_ledger, fractions, forward_s, backward_s)
     ledger = layer_ledger.scaled(model.layers)
-    ledger.merge(_head_and_loss(context))
+    ledger.merge(head_and_loss_parts(context, fractions))
     ledger = ledger.scaled(train.micro_batches)
-    ledger.merge(_optimizer(context, fractions))
+    ledger.merge(optimizer_parts(context, fractions))
     step_time_s = float(np.max(ledger.total()))
     ledger.add("idle_s", step_time_s - ledger.total())
     return _prediction(context, ledger, step_time_s, fractions)
@@ -118,12 +128,14 @@ def _check_compatible(cluster: Cluster, model: ModelSpec, layout: AttentionLayou
         )
 
 
-def _layer_tables(context: SimContext) -> _LayerTables:
+def _layer_tables(context: SimContext, fractions: list[float]) -> _LayerTables:
     """Everything a layer's events take from the plan alone, computed once per step."""
-    before_s, after_s = _linear_times(context)
+    before, after = _linear_times(context)
     return _LayerTables(
-        before_attention_s=before_s,
-        after_attention_s=after_s,
+        before_attention=before,
+        after_attention=after,
+        forward_bandwidth=layer_bandwidth_parts(context, fractions, backward=False),
+        backward_bandwidth=layer_bandwidth_parts(context, fractions, backward=True),
         all_to_all_qkv_s=all_to_all_durations(context, q_heads=True, kv=True),
         all_to_all_q_s=all_to_all_durations(context, q_heads=True, kv=False),
         ring=build_ring_tables(context),
@@ -152,37 +164,44 @@ def _simulate_layer(
 def _forward_events(
     context: SimContext, tables: _LayerTables, ledger: Ledger, start: np.ndarray
 ) -> np.ndarray:
-    t = _book(ledger, "linear_s", start, tables.before_attention_s)
+    # The block's elementwise kernels and casts are booked as one piece ahead of its GEMMs:
+    # the order inside a rank does not change its time, only when it joins the all-to-all.
+    t = _book(ledger, start, tables.forward_bandwidth)
+    t = _book(ledger, t, tables.before_attention)
     t = all_to_all(context, ledger, t, tables.all_to_all_qkv_s)
     t = ring_pass(tables.ring, ledger, t, backward=False)
     t = all_to_all(context, ledger, t, tables.all_to_all_q_s)
-    return _book(ledger, "linear_s", t, tables.after_attention_s)
+    return _book(ledger, t, tables.after_attention)
 
 
 def _backward_events(
     context: SimContext, tables: _LayerTables, ledger: Ledger, start: np.ndarray
 ) -> np.ndarray:
-    t = _book(ledger, "linear_s", start, 2.0 * tables.after_attention_s)
+    t = _book(ledger, start, tables.backward_bandwidth)
+    t = _book(ledger, t, tables.after_attention, factor=2.0)
     t = all_to_all(context, ledger, t, tables.all_to_all_q_s)
     t = ring_pass(tables.ring, ledger, t, backward=True)
     t = all_to_all(context, ledger, t, tables.all_to_all_qkv_s)
-    return _book(ledger, "linear_s", t, 2.0 * tables.before_attention_s)
+    return _book(ledger, t, tables.before_attention, factor=2.0)
 
 
-def _book(ledger: Ledger, key: str, start: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-    ledger.add(key, seconds)
-    return start + seconds
+def _book(ledger: Ledger, start: np.ndarray, parts: Parts, factor: float = 1.0) -> np.ndarray:
+    """Book `factor` x each of `parts`, one after the other from `start`; returns the end."""
+    end = start
+    for key, seconds in parts.items():
+        ledger.add(key, factor * seconds)
+        end = end + factor * seconds
+    return end
 
 
-def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
-    """Forward time of the parts before attention (norm, q/k/v, RoPE) and after it
-    (output projection, residual, norm, SwiGLU MLP), per rank."""
-    model, cost = context.model, context.cost
+def _linear_times(context: SimContext) -> tuple[Parts, Parts]:
+    """Forward GEMM time of the parts before attention (q/k/v projections) and after it
+    (output projection, SwiGLU gate, up and down), per rank, launch overhead apart."""
+    model = context.model
     tokens = context.tokens.astype(np.float64)
     qkv_flops = 2.0 * model.hidden * model.head_dim * (model.heads + 2 * model.kv_heads)
     after_flops = 2.0 * model.hidden * (model.heads * model.head_dim + 3 * model.ffn_hidden)
-    # The GEMMs as (k, n) of [tokens, k] @ [k, n], as runtime/model.py runs them: q, k and v
-    # projections; output projection, SwiGLU gate, up and down.
+    # The GEMMs as (k, n) of [tokens, k] @ [k, n], as runtime/model.py runs them.
     hidden = model.hidden
     q_width, kv_width = model.heads * model.head_dim, model.kv_heads * model.head_dim
     qkv_gemms = ((hidden, q_width), (hidden, kv_width), (hidden, kv_width))
@@ -192,28 +211,14 @@ def _linear_times(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
         (hidden, model.ffn_hidden),
         (model.ffn_hidden, hidden),
     )
-    # Bytes read + written by the bandwidth-bound kernels, per token (compute dtype): RMSNorm
-    # (2x hidden in and out), RoPE on q and k, residual add, second RMSNorm, SwiGLU (gate, up
-    # in; out).
     element = context.train.compute_dtype_bytes
-    qkv_bytes = element * (2 * model.hidden + 2 * (model.heads + model.kv_heads) * model.head_dim)
-    after_bytes = element * (3 * model.hidden + 2 * model.hidden + 3 * model.ffn_hidden)
-
-    def pre(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        n = tokens[ranks]
-        gemm_bytes = _gemm_operand_bytes(n, qkv_gemms, element)
-        return cost.gemm_time_s(
-            gpu, qkv_flops * n, bytes_moved=gemm_bytes, calls=len(qkv_gemms)
-        ) + cost.memory_bound_time_s(gpu, qkv_bytes * n, calls=3)  # norm, RoPE q, RoPE k
-
-    def post(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        n = tokens[ranks]
-        gemm_bytes = _gemm_operand_bytes(n, after_gemms, element)
-        return cost.gemm_time_s(
-            gpu, after_flops * n, bytes_moved=gemm_bytes, calls=len(after_gemms)
-        ) + cost.memory_bound_time_s(gpu, after_bytes * n, calls=3)  # residual, norm, SwiGLU
-
-    return per_gpu_type(context, pre), per_gpu_type(context, post)
+    before = gemm_parts(
+        context, qkv_flops * tokens, _gemm_operand_bytes(tokens, qkv_gemms, element), 3
+    )
+    after = gemm_parts(
+        context, after_flops * tokens, _gemm_operand_bytes(tokens, after_gemms, element), 4
+    )
+    return before, after
 
 
 def _gemm_operand_bytes(
@@ -254,40 +259,6 @@ def _domain_collective_time(
         slowest_GBps, latency_s = bandwidth[off_diagonal].min(), latency[0, 1]
     largest_missing = max(1.0 - f for f in fractions) * total_bytes
     return float(context.cost.transfer_time_s(largest_missing, slowest_GBps, latency_s))
-
-
-def _head_and_loss(context: SimContext) -> Ledger:
-    """The LM head's matmul forward + backward (no recompute) and the loss, per rank."""
-    model, cost = context.model, context.cost
-    flops = head_flops_per_token(model)
-
-    def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        tokens = context.tokens[ranks]
-        logits_bytes = 3 * tokens * model.vocab * FP32
-        # Forward, input gradient and weight gradient: three GEMMs of the same size and bytes.
-        gemm_bytes = _gemm_operand_bytes(
-            tokens, ((model.hidden, model.vocab),), context.train.compute_dtype_bytes
-        )
-        return 3.0 * cost.gemm_time_s(
-            gpu, flops * tokens, bytes_moved=gemm_bytes, calls=1
-        ) + cost.memory_bound_time_s(gpu, logits_bytes, calls=3)  # logits written, read twice
-
-    ledger = Ledger(context.layout.world_size)
-    ledger.add("linear_s", per_gpu_type(context, seconds_of))
-    return ledger
-
-
-def _optimizer(context: SimContext, fractions: list[float]) -> Ledger:
-    """Adam on each rank's shard of the parameters (bandwidth-bound)."""
-    shares = np.asarray(fractions, dtype=np.float64)
-    params = context.model.params
-
-    def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        return context.cost.memory_bound_time_s(gpu, shares[ranks] * params * ADAM_BYTES_PER_PARAM)
-
-    ledger = Ledger(context.layout.world_size)
-    ledger.add("linear_s", per_gpu_type(context, seconds_of))
-    return ledger
 
 
 def _prediction(

@@ -1,7 +1,8 @@
 """hexiseq: asymmetric context/head parallelism for long-context training on mixed GPUs.
 
 Public API. `import hexiseq` loads only the core (no torch, no streamlit, no optimizer
-libraries); `plan_search`, `SearchResult` and the runtime's names load on first use.
+libraries); `plan_search`, `SearchResult`, `predict` and the runtime's names load on first
+use.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "plan_search": "hexiseq.search",
     "SearchResult": "hexiseq.search",
+    "predict": "hexiseq.search.predict",
     "CPHPAttention": "hexiseq.runtime",
 }
 

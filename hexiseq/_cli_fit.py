@@ -40,9 +40,11 @@ def add_cost_model_argument(plan: argparse.ArgumentParser) -> None:
         "--cost-model",
         choices=COST_MODEL_CHOICES,
         default="auto",
-        help="auto: the newest fitted model in --store for the device types it covers, the "
-        "datasheet elsewhere (datasheet only with --no-store); fitted: the same, but an error "
-        "when the store has none; datasheet: datasheet peaks x published efficiencies",
+        help="auto: the newest fitted model in --store for the device types and op families "
+        "it covers whose held-out error met its goal (5 %% compute, 10 %% links), the "
+        "datasheet elsewhere (datasheet only with --no-store); fitted: every fit of that "
+        "model, also those that missed their goal (forced, and said so), an error when the "
+        "store has none; datasheet: datasheet peaks x published efficiencies",
     )
 
 
@@ -113,8 +115,9 @@ def plan_cost_model(args: argparse.Namespace, store: Store | None) -> CostModel 
     """The cost model `hexiseq plan` passes to `plan_search` (None: the datasheet default).
 
     `store` is the store the plans go to (None with --no-store); `--cost-model fitted` opens
-    `--store` for reading when it is None. Raises InputError when `fitted` finds no fitted
-    model, or the stored document is corrupt.
+    `--store` for reading when it is None and forces fits that missed their goal (`auto`
+    leaves those op families to the datasheet; the labels say which). Raises InputError when
+    `fitted` finds no fitted model, or the stored document is corrupt.
     """
     if args.cost_model == "datasheet" or (store is None and args.cost_model == "auto"):
         return None
@@ -127,6 +130,7 @@ def plan_cost_model(args: argparse.Namespace, store: Store | None) -> CostModel 
 
 
 def _latest_fitted(store: Store, *, required: bool) -> CostModel | None:
+    """The newest fitted model of `store`, forced when `required` (`--cost-model fitted`)."""
     text = store.latest_fitted_model()
     if text is None:
         if required:
@@ -137,4 +141,6 @@ def _latest_fitted(store: Store, *, required: bool) -> CostModel | None:
         return None
     from hexiseq.costmodel import FittedCostModel
 
-    return FittedCostModel.from_json(text, source=f"store {store.url}: latest fitted model")
+    return FittedCostModel.from_json(
+        text, source=f"store {store.url}: latest fitted model", forced=required
+    )

@@ -1,4 +1,8 @@
-"""The GPU catalog: datasheet peak compute, memory, bandwidth and their sources (DESIGN.md §2)."""
+"""The GPU catalog: datasheet peak compute, memory, bandwidth and their sources (DESIGN.md §2).
+
+Attention efficiencies are per kernel backend (`hexiseq.kernels`): the datasheet cost model
+prices attention at the efficiency of the kernel the runtime really calls on that device.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from hexiseq._yaml import read_packaged_yaml
 from hexiseq.errors import InputError
 
 GiB = 1024**3
+MiB = 1024**2
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,8 +30,17 @@ class GpuSpec:
     intra_node_GBps: float
     intra_node_latency_us: float
     gemm_efficiency: float
-    attention_fwd_efficiency: float
-    attention_bwd_efficiency: float
+    attention_efficiency: dict[str, dict[str, float]]
+    """kernel backend -> {"fwd": f, "bwd": b}: achieved fraction of the dense peak at head
+    size 128 (FLOPs counted as in `hexiseq.flops`, backward 2.5x the forward)."""
+    memory_bound_efficiency: float
+    """Achieved fraction of `hbm_GBps` of large bandwidth-bound kernels (elementwise, foreach)."""
+    special_function_tops: float | None = None
+    """Exponentials per second (tera) of the special-function units; None: not modelled. The
+    softmax takes one exp per (query, key) pair and head, which bounds small head sizes."""
+    sm_count: int | None = None
+    """Streaming multiprocessors: the slots a kernel's thread blocks fill in waves (the fitted
+    GPU features, `hexiseq.costmodel._gpu_features`); None: not recorded."""
     measured: bool = False
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -39,6 +53,35 @@ class GpuSpec:
     def peak_flops(self) -> float:
         """Dense BF16 peak in FLOP/s."""
         return self.dense_bf16_tflops * 1e12
+
+    def kernel_efficiency(self, kernel: str, *, backward: bool) -> float:
+        """Attention efficiency of `kernel` (see `attention_efficiency`); `InputError` naming
+        the kernels the catalog has for this GPU otherwise."""
+        entry = self.attention_efficiency.get(kernel)
+        if entry is None:
+            known = ", ".join(self.attention_efficiency)
+            raise InputError(
+                f"GPU '{self.name}' has no attention efficiency for kernel '{kernel}'; "
+                f"known: {known}"
+            )
+        return entry["bwd" if backward else "fwd"]
+
+    @property
+    def default_attention_kernel(self) -> str:
+        """The kernel the runtime runs here in the training dtype at head size 128."""
+        from hexiseq.kernels import attention_kernel, training_dtype
+
+        return attention_kernel(self.name, training_dtype(self.name), 128)
+
+    @property
+    def attention_fwd_efficiency(self) -> float:
+        """Forward efficiency of the kernel the runtime runs here (`default_attention_kernel`)."""
+        return self.kernel_efficiency(self.default_attention_kernel, backward=False)
+
+    @property
+    def attention_bwd_efficiency(self) -> float:
+        """Backward efficiency of the kernel the runtime runs here."""
+        return self.kernel_efficiency(self.default_attention_kernel, backward=True)
 
 
 @cache

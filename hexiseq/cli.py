@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from hexiseq._cli_dashboard import add_dashboard_parser, run_dashboard
 from hexiseq._cli_fit import add_cost_model_argument, add_fit_parser, plan_cost_model, run_fit
+from hexiseq._cli_predict import add_predict_parser, run_predict
 from hexiseq._cli_profile import add_profile_parser, run_profile
 from hexiseq._cli_types import positive_float, positive_int
 from hexiseq.cluster import cluster_presets
@@ -103,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cost_model_argument(plan)
     _add_run_parser(commands)
     add_fit_parser(commands)
+    add_predict_parser(commands)
     add_dashboard_parser(commands)
     add_profile_parser(commands)
     return parser
@@ -152,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_dashboard(args)
         if args.command == "fit":
             return run_fit(args)
+        if args.command == "predict":
+            return run_predict(args)
         if args.command == "profile":
             return run_profile(args)
     except HexiseqError as exc:

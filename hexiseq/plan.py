@@ -18,7 +18,12 @@ from hexiseq.errors import InputError
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 
-PLAN_SCHEMA_VERSION = 1
+PLAN_SCHEMA_VERSION = 2
+"""The plan document version `to_json` writes. 2 added time parts to `predicted.ranks` and
+renamed memory terms."""
+READABLE_PLAN_SCHEMA_VERSIONS = (1, 2)
+"""Versions `from_json` reads: a version-1 document's ranks lack the parts version 2 added,
+which then take their defaults (0.0 s); everything else is the same."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +45,10 @@ class RankAssignment:
 
 @dataclass(frozen=True, slots=True)
 class RankTime:
-    """Where one rank's step time goes, in seconds; the six parts add up to the step time."""
+    """Where one rank's step time goes, in seconds; the parts add up to the step time.
+
+    The last five parts came later: keyword-only with default 0.0, so a plan written before
+    them still loads (its step time then sits in the first six)."""
 
     linear_s: float
     attention_s: float
@@ -48,17 +56,20 @@ class RankTime:
     ring_exposed_comm_s: float
     sharding_exposed_comm_s: float
     idle_s: float
+    elementwise_s: float = field(default=0.0, kw_only=True)
+    """Norms, RoPE, SwiGLU, residual adds, attention's transposes and softmax merge."""
+    cast_s: float = field(default=0.0, kw_only=True)
+    """Autocast's weight and activation casts (forward, recompute, backward)."""
+    loss_s: float = field(default=0.0, kw_only=True)
+    """Logit upcast, log-softmax, nll and their backward."""
+    optimizer_s: float = field(default=0.0, kw_only=True)
+    """AdamW (and gradient accumulation) on the rank's share of the model states."""
+    launch_s: float = field(default=0.0, kw_only=True)
+    """Kernel launch overhead beyond the kernels' own work (many short kernels)."""
 
     @property
     def step_s(self) -> float:
-        return (
-            self.linear_s
-            + self.attention_s
-            + self.all_to_all_s
-            + self.ring_exposed_comm_s
-            + self.sharding_exposed_comm_s
-            + self.idle_s
-        )
+        return sum(getattr(self, key) for key in RankTime.__dataclass_fields__)
 
     @property
     def busy_s(self) -> float:
@@ -94,6 +105,10 @@ class Prediction:
     @property
     def max_memory_fraction(self) -> float:
         return max(rank.memory_fraction for rank in self.ranks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The `predicted` part of a plan document (JSON-ready)."""
+        return _prediction_to_dict(self)
 
 
 @dataclass(frozen=True)
@@ -147,10 +162,11 @@ class Plan:
         if not isinstance(document, dict):
             raise InputError(f"{source}: not a hexiseq plan (expected a JSON object)")
         version = document.get("schema_version")
-        if type(version) is not int or version != PLAN_SCHEMA_VERSION:
+        if type(version) is not int or version not in READABLE_PLAN_SCHEMA_VERSIONS:
+            readable = " and ".join(str(v) for v in READABLE_PLAN_SCHEMA_VERSIONS)
             raise InputError(
                 f"{source}: schema_version {version!r} is not supported; this hexiseq reads "
-                f"version {PLAN_SCHEMA_VERSION}"
+                f"versions {readable}"
             )
         try:
             plan = _plan_from_dict(document, source)

@@ -50,8 +50,8 @@ def format_plan(plan: Plan) -> str:
 
 def _device_row(assignment: Any, rank: Any) -> list[str]:
     low, high = assignment.head_range
-    compute = rank.linear_s + rank.attention_s
     comm = rank.all_to_all_s + rank.ring_exposed_comm_s + rank.sharding_exposed_comm_s
+    compute = rank.busy_s - comm  # GEMMs, attention, elementwise, casts, loss, optimizer, launches
     return [
         str(assignment.rank),
         assignment.node,

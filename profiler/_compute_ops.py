@@ -1,11 +1,11 @@
 """The torch calls a compute point times, with their random inputs.
 
-Attention calls the very kernels `hexiseq.runtime._kernels` calls, chosen by the same rule
-(the profiler may not import the runtime, so the ops are called here directly): on CPU
-`aten._scaled_dot_product_flash_attention_for_cpu` (log-sum-exp returned) and its backward; on
-CUDA the flash kernels for fp16/bf16 and the memory-efficient ones for fp32, each with its own
-backward, given the forward's output and fp32 log-sum-exp as the runtime's ring backward is.
+Attention calls the runtime's own kernel module (`hexiseq.runtime.kernels`, the one edge from
+the profiler into the runtime), with the kernel `hexiseq.kernels.attention_kernel` names for the
+device, dtype and head size: the kernel the runtime runs and the cost model prices. The
+backward is given the forward's output and fp32 log-sum-exp, as the runtime's ring backward is.
 Shapes as the runtime's tiles: q (1, H, L, D), k/v (1, H, S, D) (GQA expanded by the caller).
+The kernel's name is recorded in each measurement's `extra["kernel"]`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from collections.abc import Callable
 import torch
 from torch.nn import functional
 
+from hexiseq.kernels import attention_kernel as _kernel_rule
+from hexiseq.runtime import kernels as runtime_kernels
+
 from ._points import Point
 
-_CUDA_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_CUDA_EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CUDA_MAX_HEAD_DIM = 256
 _SEED = 1234
 
 
@@ -28,15 +28,8 @@ class UnprofiledKernelError(RuntimeError):
 
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
-    """Which kernel family the runtime runs for these inputs (mirrors `_kernels._backend`)."""
-    if device.type == "cpu":
-        return "cpu_flash"
-    if device.type == "cuda" and head_dim % 8 == 0 and head_dim <= _CUDA_MAX_HEAD_DIM:
-        if dtype in _CUDA_FLASH_DTYPES:
-            return "cuda_flash"
-        if dtype in _CUDA_EFFICIENT_DTYPES:
-            return "cuda_efficient"
-    return "explicit"
+    """Which kernel the runtime runs for these inputs (`hexiseq.kernels.attention_kernel`)."""
+    return _kernel_rule(device.type, str(dtype), head_dim)
 
 
 def build_calls(
@@ -95,36 +88,12 @@ def _attention_calls(params, random, input_sets, kernel, backward):
 
 
 def _forward(kernel, q, k, v, causal, scale):
-    """(out, lse fp32) as `_kernels.block_forward` computes them."""
-    if kernel == "cpu_flash":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale
-        )
-        return out, lse.float()
-    if kernel == "cuda_flash":
-        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, 0.0, causal, False, scale=scale
-        )
-        return out, lse.float()
-    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale
-    )
-    return out, lse[..., : q.shape[2]].float()  # drop the kernel's row padding
+    """(out, lse fp32) as the runtime's `block_forward` computes them."""
+    return runtime_kernels.forward_with(kernel, q, k, v, causal=causal, scale=scale)
 
 
 def _backward(kernel, dout, q, k, v, out, lse, causal, scale):
-    """(dq, dk, dv) as `_kernels.block_backward` computes them."""
-    if kernel == "cpu_flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
-    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
-    if kernel == "cuda_flash":
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2],
-            0.0, causal, no_rng, no_rng, scale=scale,
-        )  # fmt: skip
-    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0,
-        [True, True, True, False], causal, scale=scale,
-    )[:3]  # fmt: skip
+    """(dq, dk, dv) as the runtime's `block_backward` computes them."""
+    return runtime_kernels.backward_with(
+        kernel, dout, q, k, v, out, lse, causal=causal, scale=scale
+    )

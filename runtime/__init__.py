@@ -9,7 +9,8 @@ sharded by an `AttentionLayout`; gloo (CPU) and NCCL (GPU). Modules:
 - `_routes`       pure: who sends which K/V heads to whom (matches costmodel._traffic)
 - `_tiles`        pure: a block's causal mask as mask-free full / causal-square tiles
 - `_block`        one ring step: GQA expansion, tiles, online-softmax merge (fp32)
-- `_kernels`      SDPA kernels with log-sum-exp (CPU flash, CUDA flash/efficient, fp32 reference)
+- `kernels`       SDPA kernels with log-sum-exp (CPU flash, CUDA flash/efficient, fp32 reference),
+                  chosen by `hexiseq.kernels.attention_kernel`; the profiler calls them too
 - `_p2p`          batched isend/irecv of K/V head runs
 - `model`         Llama-style decoder over the sharded sequence (RoPE at global positions)
 - `loss`          mean next-token loss over all ranks' tokens; gradient all-reduce (sum)

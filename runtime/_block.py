@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
-from hexiseq.runtime._kernels import block_backward, block_forward
 from hexiseq.runtime._tiles import Tile
+from hexiseq.runtime.kernels import block_backward, block_forward
 
 
 class OnlineSoftmax:

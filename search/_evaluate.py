@@ -97,18 +97,6 @@ def build_plan(
         )
         for r in range(layout.world_size)
     )
-    ranks = tuple(
-        RankPrediction(
-            **prediction.rank_times[r].to_dict(),
-            memory_bytes=prediction.memory[r].peak_bytes,
-            memory_capacity_bytes=prediction.memory_capacity_bytes[r],
-            memory_terms=prediction.memory[r].terms(),
-        )
-        for r in range(layout.world_size)
-    )
-    predicted = Prediction(
-        prediction.step_time_s, prediction.tokens_per_s, ranks, prediction.cost_model_labels
-    )
     return Plan(
         name,
         problem.cluster,
@@ -117,5 +105,21 @@ def build_plan(
         layout,
         assignments,
         dict(knobs),
-        predicted,
+        plan_prediction(prediction),
+    )
+
+
+def plan_prediction(prediction: StepPrediction) -> Prediction:
+    """The simulator's `StepPrediction` as a plan's `predicted` (per-rank times and memory)."""
+    ranks = tuple(
+        RankPrediction(
+            **prediction.rank_times[r].to_dict(),
+            memory_bytes=prediction.memory[r].peak_bytes,
+            memory_capacity_bytes=prediction.memory_capacity_bytes[r],
+            memory_terms=prediction.memory[r].terms(),
+        )
+        for r in range(len(prediction.rank_times))
+    )
+    return Prediction(
+        prediction.step_time_s, prediction.tokens_per_s, ranks, prediction.cost_model_labels
     )

@@ -151,7 +151,14 @@ def _time_coefficients(problem, layout, groups, classes, quantum: int) -> list[n
             units = layout.segment_length(position) / (2 * quantum)
             for index, rank in enumerate(groups[position]):
                 part = prediction.rank_times[rank]
-                busy = part.attention_s + part.all_to_all_s + part.linear_s
+                busy = (
+                    part.attention_s
+                    + part.all_to_all_s
+                    + part.linear_s
+                    + part.elementwise_s
+                    + part.cast_s
+                    + part.loss_s
+                )  # fmt: skip  (the parts that grow with the tokens)
                 per_member[index] = max(per_member[index], busy / units)
         coefficients.append(per_member)
     return coefficients
@@ -296,15 +303,16 @@ class _Model:
 
 
 def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group: bool):
-    """Phases (persistent + MLP, persistent + attention + ring, persistent + logits) as
-    ((per segment unit, per largest-block unit, per state share), constant) in bytes, where a
-    member holds (u + 1) / size + 1 token units at most and its segment is u + 1 units."""
+    """Every phase of the memory model (`costmodel.memory.PHASES`, each with its reserve and
+    fragmentation) as ((per segment unit, per largest-block unit, per state share), constant)
+    in bytes, where a member holds (u + 1) / size + 1 token units at most and its segment is
+    u + 1 units."""
     low, high = layout.kv_head_range(rank)
     gpu = problem.cluster.devices[rank].gpu
     calibration = problem.cost.memory_calibration(gpu)
     block = 2 * quantum
 
-    def phases(tokens: float, segment: float, largest: float) -> np.ndarray:
+    def phases(tokens: float, segment: float, largest: float, share: float) -> np.ndarray:
         shape = RankShape(
             tokens * block,
             segment * block,
@@ -312,22 +320,19 @@ def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group:
             high - low,
             largest * block if multi_group else 0,
             gpu == "cpu",
+            layout.world_size > 1,
         )
-        m = rank_memory(problem.model, problem.train, shape, 0.0, calibration)
-        persistent = m.model_states + m.sharding_buffers + m.checkpoints + m.reserve
-        mlp = m.layer_activations + m.mlp_backward_transients
-        attention = m.layer_activations - m.mlp_activations + m.attention_backward_transients
-        return persistent + np.array([mlp, attention + m.ring_buffers, m.logits], dtype=float)
+        m = rank_memory(problem.model, problem.train, shape, share, calibration)
+        return np.array(list(m.phase_peaks().values()), dtype=float)
 
-    base = phases(0, 0, 0)
-    per_token = phases(1, 0, 0) - base
-    per_segment = phases(0, 1, 0) - base
-    per_largest = phases(0, 0, 1) - base
+    base = phases(0, 0, 0, 0.0)
+    per_token = phases(1, 0, 0, 0.0) - base
+    per_segment = phases(0, 1, 0, 0.0) - base
+    per_largest = phases(0, 0, 1, 0.0) - base
+    per_share = phases(0, 0, 0, 1.0) - base
     per_unit = per_token / size + per_segment
     constant = base + per_token * (1.0 / size + 1.0) + per_segment * 1.0
-    per_share = float(problem.model.params * problem.train.bytes_per_param_state)
-    per_share *= calibration.scale if calibration is not None else 1.0
-    return [((per_unit[p], per_largest[p], per_share), constant[p]) for p in range(3)]
+    return [((per_unit[p], per_largest[p], per_share[p]), constant[p]) for p in range(len(base))]
 
 
 class _Rows:

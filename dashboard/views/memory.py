@@ -13,10 +13,11 @@ from hexiseq.plan import InfeasiblePlan, Plan
 
 MEMORY_TERMS = {
     "model_states": "model states",
-    "checkpoints": "activation checkpoints",
-    "working_set": "working set (peak layer / logits)",
+    "activations": "activations held (checkpoints, saved)",
+    "working_set": "working set at the peak phase",
     "sharding_buffers": "sharding buffers",
-    "reserve": "framework reserve",
+    "workspaces": "kernel workspaces",
+    "reserve": "reserve (context, fragmentation)",
 }
 """Memory terms in stacking order, with their legend names; they add up to the peak."""
 

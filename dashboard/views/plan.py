@@ -12,6 +12,11 @@ from hexiseq.plan import Plan
 TIME_PARTS = {
     "linear_s": "linear",
     "attention_s": "attention",
+    "elementwise_s": "elementwise",
+    "cast_s": "casts",
+    "loss_s": "loss",
+    "optimizer_s": "optimizer",
+    "launch_s": "launch overhead",
     "all_to_all_s": "all-to-all",
     "ring_exposed_comm_s": "exposed ring comm",
     "sharding_exposed_comm_s": "exposed sharding comm",

@@ -34,7 +34,7 @@ class PaperRun:
 
 @pytest.fixture(scope="module")
 def paper_run(tmp_path_factory) -> PaperRun:
-    """`hexiseq plan` for 8 H100 + 8 A100, llama-30b, 512K tokens: run once per module."""
+    """`hexiseq plan` for 8 H100 + 8 A100, llama-30b, 256K tokens: run once per module."""
     folder = tmp_path_factory.mktemp("cli")
     out = folder / "best.json"
     store_url = f"sqlite:///{folder / 'x.db'}"
@@ -46,7 +46,7 @@ def paper_run(tmp_path_factory) -> PaperRun:
             "--model",
             "llama-30b",
             "--seq-len",
-            "512k",
+            "256k",
             "--out",
             str(out),
             "--store",
@@ -91,7 +91,7 @@ def test_plan_prints_one_row_per_device(paper_run):
 def test_plan_labels_the_cost_model_and_lists_baselines(paper_run):
     stdout = paper_run.run.stdout
     assert "datasheet estimate" in stdout
-    assert "16 devices" in stdout and "512K tokens" in stdout
+    assert "16 devices" in stdout and "256K tokens" in stdout
     table = _baseline_table(stdout)
     for name in BASELINES:
         assert any(label.startswith(name) for label in table), name
@@ -115,7 +115,7 @@ def test_written_plan_loads_and_matches_the_printout(paper_run):
     plan = Plan.from_json(paper_run.out)
     assert plan.cluster.name == "h100x8-a100x8"
     assert plan.model.name == "llama-30b"
-    assert plan.train.seq_len == 524288
+    assert plan.train.seq_len == 262144
     plan.layout().validate()
     best_cell = next(iter(_baseline_table(paper_run.run.stdout).values()))
     assert best_cell == f"{plan.predicted.tokens_per_s:,.1f}"
@@ -138,7 +138,7 @@ def test_store_holds_the_best_plan_and_feasible_baselines(paper_run):
         assert (best.cluster_name, best.model_name, best.seq_len) == (
             "h100x8-a100x8",
             "llama-30b",
-            524288,
+            262144,
         )
         assert best.tokens_per_s == plan.predicted.tokens_per_s
         assert best.step_time_s == plan.predicted.step_time_s

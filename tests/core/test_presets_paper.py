@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from hexiseq import Cluster, cluster_presets, gpu_spec, plan_search
+from hexiseq import Cluster, InfeasibleError, cluster_presets, gpu_spec, plan_search
 
 # preset -> (GPU count by type, nodes, GPUs per node)
 PAPER_PRESETS = {
@@ -51,6 +51,14 @@ def test_flop_matched_pairs_agree_within_3_percent(mixed):
     assert abs(ratio - 1) <= 0.03
 
 
-def test_mix4_32_large_holds_llama3_70b_at_1m_tokens():
-    result = plan_search("mix4-32-large", "llama3-70b", "1M")
+def test_mix4_32_large_holds_llama3_70b_at_512k_tokens():
+    result = plan_search("mix4-32-large", "llama3-70b", "512k")
     assert result.best.predicted.max_memory_fraction <= 0.95
+
+
+def test_llama3_70b_at_1m_tokens_is_refused_with_the_missing_memory():
+    # Today's runtime upcasts every logit to FP32 for the loss (14 bytes per logit with its
+    # gradients; 128K vocabulary): 1M tokens do not fit on mix4-32-large, and the error says
+    # how much is missing and where instead of passing a plan that would die.
+    with pytest.raises(InfeasibleError, match="GiB short"):
+        plan_search("mix4-32-large", "llama3-70b", "1M")

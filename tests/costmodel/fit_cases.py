@@ -99,7 +99,9 @@ def compute_rows(
 
 def _timed(row, coefficients, rng, noise, slowdown) -> ProfileMeasurement:
     features = measurement_features(row)
-    padded = tuple(coefficients) + (0.0,) * (len(features) - len(coefficients))  # no cache terms
+    # no cache terms; a GPU's gemm / elementwise features share their first three / two
+    # with the CPU's, and the GPU's own last term is left at 0 too
+    padded = (tuple(coefficients) + (0.0,) * len(features))[: len(features)]
     exact = float(np.dot(padded, features))
     seconds = slowdown * exact * float(np.exp(rng.normal(0.0, noise)))
     return measurement(row.device_type, row.op, row.params, row.flops, row.bytes_moved, seconds,

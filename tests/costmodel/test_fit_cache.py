@@ -210,7 +210,7 @@ def test_a_schema_1_document_is_still_read_and_predicts_with_its_own_features():
         "cpu", 1e9, bytes_moved=1e7
     )
     assert old.memory_bound_time_s("cpu", 1e8) == current.memory_bound_time_s("cpu", 1e8)
-    assert json.loads(current.to_json())["schema_version"] == 3
+    assert json.loads(current.to_json())["schema_version"] == 4
 
 
 def test_a_point_is_predicted_with_the_capacities_its_fit_used():

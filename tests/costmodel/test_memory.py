@@ -7,7 +7,7 @@ import pytest
 from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout, build_zigzag_layout
 from hexiseq.catalog import GiB
 from hexiseq.costmodel import estimate_memory, memory_limit_bytes
-from hexiseq.costmodel.memory import GPU_RESERVE_BYTES
+from hexiseq.costmodel.memory import CUDA_CONTEXT_BYTES, CUDA_WORKSPACE_BYTES, PHASES
 
 # A small model with round shapes: hidden 64, 4 heads of 16, 2 KV heads, ffn 128, vocab 100.
 MODEL = ModelSpec(
@@ -34,43 +34,73 @@ def layout_two_groups_of_two():
 
 def test_terms_by_hand():
     layout = layout_two_groups_of_two()
-    train = TrainSpec(seq_len=1600)
+    train = TrainSpec(seq_len=1600)  # bf16 compute, checkpointing: FSDP2 gathers in bf16
     memory = estimate_memory(CLUSTER, MODEL, train, layout, [0.1, 0.2, 0.3, 0.4])
     rank0 = memory[0]  # 600 tokens, heads [0,3) -> KV heads [0,2), segment 1,000
     assert layout.num_tokens(0) == 600
     # params: layer = 64*16*(2*4 + 2*2) + 3*64*128 + 2*64 = 12,288 + 24,576 + 128 = 36,992;
-    # 3 layers + embedding 6,400 + head 6,400 + final norm 64 = 123,840; 16 B each, 10 %.
+    # 3 layers + embedding 6,400 + head 6,400 + final norm 64 = 123,840. FP32 parameters and
+    # gradients, FP32 AdamW moments (16 - 8 = 8 B), 10 % each.
     assert MODEL.params == 123_840
-    assert rank0.model_states == int(123_840 * 16 * 0.1)
-    # FSDP buffers: max(3 layers, head weights + grads) in BF16 = max(110,976, 12,800) * 2.
-    assert rank0.sharding_buffers == 3 * 36_992 * 2
-    # Checkpoints: 3 layers x 600 tokens x 64 hidden x 2 B.
+    assert (rank0.parameters, rank0.gradients) == (49_536, 49_536)
+    assert rank0.optimizer_states == int(123_840 * 8 * 0.1)
+    assert rank0.optimizer_transients == 49_536  # foreach AdamW's sqrt(v), FP32
+    # FSDP2: the root (embedding, head, final norm) gathered in bf16; in the backward a
+    # block gathered (bf16), its FP32 unsharded gradients and two FP32 shards.
+    assert rank0.gathered_parameters == (6_400 + 6_400 + 64) * 2
+    assert rank0.sharding_backward_buffers == int(36_992 * 6 + 2 * 36_992 * 4 * 0.1)
+    # Stream in bf16 (sharded): embedding output + RoPE cos/sin (16 each), block outputs.
+    assert rank0.embedding_output == 600 * (64 + 32) * 2
     assert rank0.checkpoints == 3 * 600 * 64 * 2
-    # Layer activations: sequence part 600 x (3*64 + 4*16 + 4*128) x 2 B; head part over
-    # the 1,000-token segment: (2*3 + 2*2) x 16 x 2 B + 3 heads x 4 B (log-sum-exp).
-    sequence = 600 * (192 + 64 + 512) * 2
-    head = 1000 * (10 * 16 * 2 + 3 * 4)
-    assert rank0.layer_activations == sequence + head
-    assert rank0.mlp_activations == 600 * 4 * 128 * 2
-    assert rank0.mlp_backward_transients == 600 * 3 * 128 * 2
-    # dq/dk/dv (BF16) + FP32 dq accumulator over the segment.
-    assert rank0.attention_backward_transients == 1000 * 16 * ((3 + 4) * 2 + 3 * 4)
+    assert rank0.block_output == 600 * 64 * 2
+    assert rank0.saved_activations == 0  # checkpointing
+    # A norm saves FP32 normed (64 x 4), FP32 rsqrt (4) and an FP32 upcast of a bf16 input.
+    norm = 600 * (64 * 4 + 4 + 64 * 4)
+    # Head form over the 1,000-token segment: q (3 heads) + K, V (2 heads) + out, bf16, and
+    # the FP32 log-sum-exp of 3 heads; the output projection's input (all 4 heads, bf16).
+    head_form = 1000 * ((2 * 48 + 2 * 32) * 2 + 3 * 4)
+    mlp = norm + 600 * 64 * 2 + 4 * 600 * 128 * 2
+    assert rank0.mlp_activations == mlp
+    assert rank0.layer_activations == norm + 600 * 64 * 2 + head_form + 600 * 64 * 2 + mlp
+    assert rank0.weight_cache == 0  # FSDP2 gathers bf16 weights: autocast casts nothing
+    assert rank0.head_activations == norm + 600 * 64 * 2
+    assert rank0.logits == 600 * 100 * 2
+    assert rank0.loss_transients == 600 * 100 * 12
+    assert rank0.mlp_backward_transients == 600 * (2 * 128 * 2 + 64 * 2)
     # Backward ring: largest visiting block (1,000 tokens) x 2 buffers x K,V x 2 KV heads x
     # 16 dims x (BF16 + FP32 dK/dV).
     assert rank0.ring_buffers == 2 * 1000 * 2 * 2 * 16 * 6
-    assert rank0.logits == 600 * 100 * 6
-    assert rank0.reserve == GPU_RESERVE_BYTES
+    assert rank0.kernel_workspaces == CUDA_WORKSPACE_BYTES
+    assert rank0.reserve == CUDA_CONTEXT_BYTES
 
 
-def test_peak_is_persistent_terms_plus_largest_transient():
+def test_one_rank_keeps_fp32_weights_and_stream():
+    """Without FSDP2 (one rank) autocast casts the FP32 weights at every use and the
+    residual stream stays FP32 (the embedding is not autocast)."""
+    cluster = Cluster.from_dict(
+        {"name": "one", "nodes": [{"name": "n0", "gpu": "A100-80G", "count": 1}]}
+    )
+    layout = build_uniform_layout(1600, 4, 2, [1])
+    m = estimate_memory(cluster, MODEL, TrainSpec(seq_len=1600), layout)[0]
+    assert m.gathered_parameters == m.sharding_backward_buffers == 0
+    assert m.checkpoints == 3 * 1600 * 64 * 4
+    linear = 36_992 - 2 * 64
+    assert m.weight_cache == 3 * linear * 2
+    assert m.head_activations == 1600 * (64 * 4 + 4) + 1600 * 64 * 2 + 100 * 64 * 2
+
+
+def test_peak_is_the_largest_phase():
     layout = layout_two_groups_of_two()
     m = estimate_memory(CLUSTER, MODEL, TrainSpec(seq_len=1600), layout)[0]
-    mlp_phase = m.layer_activations + m.mlp_backward_transients
-    attention_phase = (
-        m.layer_activations - m.mlp_activations + m.attention_backward_transients + m.ring_buffers
-    )
-    persistent = m.model_states + m.sharding_buffers + m.checkpoints + m.reserve
-    assert m.peak_bytes == persistent + max(mlp_phase, attention_phase, m.logits)
+    phases = m.phase_bytes()
+    assert set(phases) == set(PHASES)
+    assert m.allocated_bytes == max(phases.values())
+    assert phases["optimizer"] == (
+        m.parameters + m.gradients + m.optimizer_states + m.optimizer_transients + m.logits
+        + m.kernel_workspaces
+    )  # fmt: skip
+    assert phases["loss_backward"] - phases["forward_end"] == m.loss_transients
+    assert m.peak_bytes == int(m.allocated_bytes * (1 + m.fragmentation)) + m.reserve
     assert sum(m.terms().values()) == m.peak_bytes
 
 
@@ -78,6 +108,7 @@ def test_even_sharding_by_default():
     layout = layout_two_groups_of_two()
     memory = estimate_memory(CLUSTER, MODEL, TrainSpec(seq_len=1600), layout)
     assert {m.model_states for m in memory} == {int(123_840 * 16 / 4)}
+    assert {m.parameters for m in memory} == {int(123_840 * 4 / 4)}
 
 
 def test_more_tokens_need_more_memory():
@@ -102,7 +133,8 @@ def test_checkpointing_saves_memory():
         )[0]
         for c in (True, False)
     )
-    assert without.checkpoints == model.layers * with_ckpt.layer_activations
+    assert without.saved_activations == model.layers * without.layer_activations
+    assert with_ckpt.saved_activations == 0
     assert without.peak_bytes > with_ckpt.peak_bytes
 
 

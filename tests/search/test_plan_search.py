@@ -12,7 +12,7 @@ from hexiseq.search import plan_search
 
 @pytest.fixture(scope="module")
 def paper_testbed():
-    return plan_search("h100x8-a100x8", "llama-30b", "512k")
+    return plan_search("h100x8-a100x8", "llama-30b", "256k")
 
 
 def test_best_beats_every_baseline_within_memory(paper_testbed):

@@ -1,0 +1,187 @@
+"""The bandwidth-bound work of a training step as the torch runtime really does it.
+
+Beyond the GEMMs and the attention kernels, a step of `hexiseq.runtime` runs many elementwise
+kernels; on an H100 they take a third of the step (../shared/data/h100-3b-8k-step-profile.txt).
+This module counts, per token (or per parameter), the bytes they read and write and how many
+kernels they launch, from what `runtime/model.py`, `runtime/loss.py`, `runtime/_ring.py`,
+`runtime/_block.py` and `runtime/train.py` do:
+
+- the residual stream is fp32 (the embedding output is fp32; weights are fp32 under bf16
+  autocast), RMSNorm computes in fp32 (pow, mean, rsqrt, two muls), RoPE is unfused (neg, cat,
+  two muls promoted to fp32 by the fp32 tables, add, cast back), SwiGLU is unfused (silu, mul);
+- autocast casts each linear's fp32 input to bf16 at every call (q, k, v, gate, up: five
+  casts of the normed activations) and each fp32 weight at every use: forward, the
+  checkpoint's recompute, and the cast's backward turns the bf16 weight gradient into fp32;
+- inside attention the runtime transposes q, k, v to head-major, expands K/V for GQA, merges
+  tile results into an fp32 online softmax and casts back (backward: fp32 dQ, dK/dV
+  accumulators, the GQA reduction, casts back);
+- the loss upcasts the logits to fp32 and runs cross-entropy (log-softmax + nll) and its
+  backward;
+- AdamW (torch's default foreach implementation, fp32 params, grads and states).
+
+Elements: E hidden, F MLP width, Q = heads x head_dim, K = kv_heads x head_dim, V vocabulary.
+`c` is the compute dtype's element size, `r` the residual stream's (fp32: the runtime keeps
+fp32 weights). Bytes are the sum over kernels of what each reads plus writes. Counts of the
+backward follow autograd's kernels (one per derivative formula term). Where c = r (an fp32 run)
+the casts vanish.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hexiseq.model import ModelSpec, TrainSpec
+
+FP32 = 4
+RESIDUAL_BYTES = FP32  # the runtime's weights and residual stream are fp32 (runtime/model.py)
+
+ADAMW_BYTES_PER_PARAM = 84
+"""torch.optim.AdamW, foreach (torch/optim/adam.py `_multi_tensor_adam`), fp32 everything:
+params *= 1 - lr·wd (r+w 8), exp_avg.lerp_(grad) (12), exp_avg_sq *= beta2 (8),
+exp_avg_sq.addcmul_(grad, grad) (16: grad read twice), sqrt -> a new temporary (8), its div_ (8)
+and add_ eps (8), params.addcdiv_(exp_avg, temporary) (16)."""
+
+ADAMW_MEASURED_SLOWDOWN = 1.5
+"""How much longer foreach AdamW takes than its bytes at the elementwise rate. Measured on H100
+(../shared/data/h100-3b-8k-step-profile.txt, the 3B 8K plan = runtime runs 3 and 5, which this
+makes in-sample for this one constant): `Optimizer.step#AdamW.step` spans 414 ms over 3 steps,
+~135 ms per steady step once the first step's state allocation (~9 ms) is taken out, where
+84 B/param x 3.21e9 params at the measured elementwise rate (2.93 TB/s) takes 92 ms: 135 / 92
+= 1.47. Its largest kernels alone run at 2.7-2.9 TB/s, so the rest is the gaps between the
+~1,200 chunked multi_tensor_apply launches of a step."""
+
+ADAMW_FOREACH_OPS = 8
+"""The foreach kernels of one AdamW step (the list above)."""
+
+FOREACH_CHUNK_ELEMENTS = 320 * 65536
+"""Elements one multi_tensor_apply launch covers (aten/src/ATen/native/cuda/MultiTensorApply.cuh:
+320 blocks of 65536 elements), so a foreach op over N elements launches ceil(N / this) kernels."""
+
+GRAD_ACCUMULATE_BYTES_PER_PARAM = 3 * FP32
+"""A later micro-batch adds its fp32 gradient into `.grad`: read both, write one."""
+
+
+@dataclass(frozen=True)
+class Work:
+    """Bandwidth-bound work: bytes read + written and kernels launched."""
+
+    bytes: float
+    kernels: float
+
+    def __add__(self, other: Work) -> Work:
+        return Work(self.bytes + other.bytes, self.kernels + other.kernels)
+
+    def scaled(self, factor: float) -> Work:
+        """`factor` x the bytes, same kernels (per-token work for `factor` tokens)."""
+        return Work(self.bytes * factor, self.kernels)
+
+
+def _widths(model: ModelSpec) -> tuple[int, int, int, int]:
+    return (
+        model.hidden,
+        model.ffn_hidden,
+        model.heads * model.head_dim,
+        (model.kv_heads * model.head_dim),
+    )
+
+
+def block_elementwise_per_token(model: ModelSpec, train: TrainSpec, *, backward: bool) -> Work:
+    """One decoder block's elementwise kernels per token, forward or backward (casts apart)."""
+    e, f, q, k = _widths(model)
+    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
+    gqa = model.gqa_ratio > 1
+    if not backward:
+        norms = 2 * 7 * r * e  # pow (2), mean (1), x*rsqrt (2), *weight (2), in units of r·E
+        rope = (6 * c + 6 * r) * (q + k)  # neg, cat, *cos, *sin (to fp32), add, cast back
+        residual = 2 * (2 * r + c) * e  # fp32 x + bf16 branch -> fp32
+        swiglu = 5 * c * f  # silu (2), mul (3)
+        attention = _attention_forward_bytes(q, k, c, r, gqa)
+        return Work(norms + rope + residual + swiglu + attention, 2 * 6 + 2 * 6 + 2 + 2 + 23)
+    norms = 2 * 16 * r * e  # mul/weight-grad, x*rsqrt and rsqrt-grad, mean/pow grads, sum
+    rope = 7 * (r + c) * (q + k)  # cast back, *cos, *sin (+ casts), neg, sum of two paths
+    residual = 2 * (r + c) * e + 2 * 3 * r * e  # grads to the bf16 branches; skip-path sums
+    input_grad_sums = 3 * 3 * r * e  # q+k+v and gate+up input gradients summed (fp32)
+    swiglu = 9 * c * f  # mul backward (two products), silu backward
+    attention = _attention_backward_bytes(q, k, c, r, gqa)
+    total = norms + rope + residual + input_grad_sums + swiglu + attention
+    return Work(total, 2 * 10 + 2 * 8 + 4 + 3 + 3 + 25)
+
+
+def _attention_forward_bytes(q: int, k: int, c: int, r: int, gqa: bool) -> float:
+    """`runtime/_all_to_all.py`, `_ring.py`, `_block.py` forward, per token: pack and unpack
+    (q, k, v in; output out), transposes to head-major (q; k, v stacked), GQA expansion,
+    fp32 online-softmax buffer and merge (rescale, upcast, multiply, add), cast back, transpose
+    back."""
+    packing = 2 * c * (q + 2 * k) + 2 * c * q
+    sorting = 2 * c * q + 2 * 2 * 2 * c * k
+    expansion = 2 * c * (k + q) if gqa else 0
+    merge = r * q + 2 * r * q + (c + r) * q + 2 * r * q + 3 * r * q
+    back = (r + c) * q + 2 * c * q
+    return packing + sorting + expansion + merge + back
+
+
+def _attention_backward_bytes(q: int, k: int, c: int, r: int, gqa: bool) -> float:
+    """The same, backward: dO unpacked and transposed, fp32 dQ and (expanded) dK/dV zeroed and
+    accumulated tile by tile, the GQA reduction, casts and transposes back, packing out."""
+    d_out = 2 * c * q + 2 * c * q
+    accumulators = r * q + 2 * r * q + 3 * (2 * r + c) * q
+    expansion = 2 * c * (k + q) if gqa else 0
+    reduction = 2 * r * q + 2 * r * k + 4 * r * k if gqa else 0
+    back = (r + c) * q + 2 * c * q + 2 * (r + c) * k + 4 * c * k + 2 * c * (q + 2 * k)
+    return d_out + accumulators + expansion + reduction + back
+
+
+def block_activation_casts_per_token(
+    model: ModelSpec, train: TrainSpec, *, backward: bool
+) -> Work:
+    """Autocast's casts of the normed fp32 activations to the compute dtype, one per linear
+    that reads them (q, k, v, gate, up), and in backward their gradients back to fp32."""
+    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
+    if c == r:
+        return Work(0.0, 0)
+    return Work(5 * (r + c) * model.hidden, 5)
+
+
+def weight_casts_per_layer(train: TrainSpec, *, backward: bool) -> Work:
+    """Per matmul weight of a block, bytes of autocast's weight casts: each use (forward, and
+    the recompute under checkpointing) reads fp32 and writes bf16; the backward turns the bf16
+    weight gradient into fp32. Multiply by the block's matmul parameters (7 kernels a pass)."""
+    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
+    if c == r:
+        return Work(0.0, 0)
+    return Work(float(r + c), 7)
+
+
+def loss_per_token(model: ModelSpec, train: TrainSpec) -> Work:
+    """`runtime/loss.py` per token: logits upcast to fp32 (c + r per logit), log-softmax (two
+    reads, one write), its backward (nll gradient written into zeros; log-softmax backward
+    reads the gradient and the output, writes one), the upcast's backward (r + c)."""
+    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
+    upcast = 0 if c == r else 2 * (c + r)
+    return Work(float((upcast + 3 * r + r + 3 * r) * model.vocab), 8)
+
+
+def head_elementwise_per_token(model: ModelSpec) -> Work:
+    """Embedding lookup (fp32 rows written) and its backward's per-token reads, the final
+    RMSNorm forward and backward (as a block's norm)."""
+    e = model.hidden
+    return Work(float((RESIDUAL_BYTES + RESIDUAL_BYTES + 7 * 4 + 16 * 4) * e), 6 + 10 + 2)
+
+
+def embedding_gradient_bytes(model: ModelSpec) -> float:
+    """The embedding's dense fp32 gradient is zeroed and, when tied to the LM head, added to
+    the head's weight gradient (read both, write one)."""
+    table = model.vocab * model.hidden
+    return FP32 * table + (3 * FP32 * table if model.tied_embeddings else 0.0)
+
+
+def matmul_params_per_layer(model: ModelSpec) -> int:
+    """Weights of a block's seven matmuls (its parameters less the two norms)."""
+    return model.params_per_layer - 2 * model.hidden
+
+
+def adamw_launches(params: np.ndarray) -> np.ndarray:
+    """[rank] kernels of one foreach AdamW step over `params[rank]` fp32 parameters."""
+    return ADAMW_FOREACH_OPS * np.maximum(1.0, np.ceil(params / FOREACH_CHUNK_ELEMENTS))

@@ -1,0 +1,174 @@
+"""The step simulator's bandwidth-bound parts: elementwise, casts, loss, optimizer, launches.
+
+What the runtime moves is counted in `_runtime_work`; here it becomes seconds per rank through
+the cost model (`memory_bound_time_s`: a profile's fit where there is one, datasheet HBM
+bandwidth x efficiency otherwise), one call per GPU type for all its ranks. Every time is split
+into its work (the same bytes in one kernel, at most the total) and launch overhead (what the
+kernel count adds on top: the datasheet model's per-kernel floor, a fit's per-call term),
+booked as `launch_s`; the two add up to the cost model's time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from hexiseq.costmodel._runtime_work import (
+    ADAMW_BYTES_PER_PARAM,
+    ADAMW_MEASURED_SLOWDOWN,
+    GRAD_ACCUMULATE_BYTES_PER_PARAM,
+    RESIDUAL_BYTES,
+    adamw_launches,
+    block_activation_casts_per_token,
+    block_elementwise_per_token,
+    embedding_gradient_bytes,
+    head_elementwise_per_token,
+    loss_per_token,
+    matmul_params_per_layer,
+    weight_casts_per_layer,
+)
+from hexiseq.costmodel._state import Ledger, SimContext, per_gpu_type
+from hexiseq.model import ModelSpec
+
+Parts = dict[str, np.ndarray]
+"""Breakdown key -> [rank] seconds."""
+
+
+def bandwidth_parts(context: SimContext, key: str, bytes_by_rank: np.ndarray, kernels) -> Parts:
+    """{key: work, "launch_s": overhead} of bandwidth-bound kernels moving `bytes_by_rank`."""
+    cost = context.cost
+
+    def total(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+        return cost.memory_bound_time_s(gpu, bytes_by_rank[ranks], calls=_at(kernels, ranks))
+
+    def work(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+        return cost.memory_bound_time_s(gpu, bytes_by_rank[ranks], calls=1)
+
+    return _split(context, key, total, work)
+
+
+def gemm_parts(
+    context: SimContext, flops_by_rank: np.ndarray, bytes_by_rank: np.ndarray, calls: int
+) -> Parts:
+    """{"linear_s": work, "launch_s": overhead} of `calls` GEMMs per rank."""
+    cost = context.cost
+
+    def seconds(gpu: str, ranks: np.ndarray | slice, count: int) -> np.ndarray:
+        return cost.gemm_time_s(
+            gpu, flops_by_rank[ranks], bytes_moved=bytes_by_rank[ranks], calls=count
+        )
+
+    return _split(
+        context, "linear_s", lambda g, r: seconds(g, r, calls), lambda g, r: seconds(g, r, 1)
+    )
+
+
+def _split(context: SimContext, key: str, total_of, work_of) -> Parts:
+    total = per_gpu_type(context, total_of)
+    work = np.minimum(per_gpu_type(context, work_of), total)
+    return {key: work, "launch_s": total - work}
+
+
+def _at(value, ranks: np.ndarray | slice):
+    return value[ranks] if isinstance(value, np.ndarray) else value
+
+
+def add_parts(*many: Parts) -> Parts:
+    """Key-wise sum of several `Parts`."""
+    summed: Parts = {}
+    for parts in many:
+        for key, seconds in parts.items():
+            summed[key] = summed.get(key, 0.0) + seconds
+    return summed
+
+
+def layer_bandwidth_parts(
+    context: SimContext, fractions: Sequence[float], *, backward: bool
+) -> Parts:
+    """One layer's elementwise kernels and casts, forward or backward, per rank."""
+    tokens = context.tokens.astype(np.float64)
+    model, train = context.model, context.train
+    elementwise = block_elementwise_per_token(model, train, backward=backward)
+    activation_casts = block_activation_casts_per_token(model, train, backward=backward)
+    weight_casts = weight_casts_per_layer(train, backward=backward)
+    weight_cast_bytes = weight_casts.bytes * _cast_params(context, fractions, backward)
+    return add_parts(
+        bandwidth_parts(context, "elementwise_s", elementwise.bytes * tokens, elementwise.kernels),
+        bandwidth_parts(
+            context,
+            "cast_s",
+            activation_casts.bytes * tokens + weight_cast_bytes,
+            activation_casts.kernels + weight_casts.kernels,
+        ),
+    )
+
+
+def _cast_params(context: SimContext, fractions: Sequence[float], backward: bool) -> np.ndarray:
+    """[rank] matmul weights of a block whose fp32 copy one pass casts. One rank: the whole
+    block (autocast casts every use). Sharded (FSDP2 over >1 rank, bf16 gathers): the forward
+    casts the rank's shard before gathering it; the backward casts the whole block's bf16
+    gradient to fp32 for the fp32 reduce-scatter (`runtime/sharding.py`)."""
+    params = float(matmul_params_per_layer(context.model))
+    world = context.layout.world_size
+    if world == 1 or backward:
+        return np.full(world, params)
+    return np.asarray(fractions, dtype=np.float64) * params
+
+
+def head_and_loss_parts(context: SimContext, fractions: Sequence[float]) -> Ledger:
+    """Per micro-batch: the LM head's three GEMMs, the loss kernels, the embedding and final
+    norm's elementwise work, and the head weight's casts, per rank."""
+    model, train = context.model, context.train
+    tokens = context.tokens.astype(np.float64)
+    element = train.compute_dtype_bytes
+    head_flops = 2.0 * model.hidden * model.vocab * tokens
+    head_matrix = float(model.vocab * model.hidden)
+    head_bytes = element * (tokens * model.hidden + head_matrix + tokens * model.vocab)
+    loss = loss_per_token(model, train)
+    head = head_elementwise_per_token(model)
+    casts = 0.0 if element == RESIDUAL_BYTES else 2.0 * (element + RESIDUAL_BYTES) * head_matrix
+    shares = np.asarray(fractions, dtype=np.float64)
+    ledger = Ledger(context.layout.world_size)
+    for parts in (
+        # Forward, input gradient and weight gradient: three GEMMs of the same size.
+        _times(gemm_parts(context, head_flops, head_bytes, 1), 3.0),
+        bandwidth_parts(context, "loss_s", loss.bytes * tokens, loss.kernels),
+        bandwidth_parts(
+            context,
+            "elementwise_s",
+            head.bytes * tokens + shares * embedding_gradient_bytes(model),
+            head.kernels + 2,
+        ),
+        bandwidth_parts(context, "cast_s", np.full(len(tokens), casts), 2 if casts else 0),
+    ):
+        for key, seconds in parts.items():
+            ledger.add(key, seconds)
+    return ledger
+
+
+def _times(parts: Parts, factor: float) -> Parts:
+    return {key: factor * seconds for key, seconds in parts.items()}
+
+
+def optimizer_parts(context: SimContext, fractions: Sequence[float]) -> Ledger:
+    """Per step: AdamW on each rank's shard of the parameters, and the gradient accumulation
+    of micro-batches after the first (both bandwidth-bound). AdamW's bytes are weighted by its
+    measured slowdown against plain elementwise kernels (`ADAMW_MEASURED_SLOWDOWN`)."""
+    params = np.asarray(fractions, dtype=np.float64) * context.model.params
+    accumulations = context.train.micro_batches - 1
+    adam = ADAMW_MEASURED_SLOWDOWN * ADAMW_BYTES_PER_PARAM * params
+    accumulate = accumulations * GRAD_ACCUMULATE_BYTES_PER_PARAM * params
+    launches = adamw_launches(params) + accumulations * _parameter_tensors(context.model)
+    ledger = Ledger(context.layout.world_size)
+    for key, seconds in bandwidth_parts(
+        context, "optimizer_s", adam + accumulate, launches
+    ).items():
+        ledger.add(key, seconds)
+    return ledger
+
+
+def _parameter_tensors(model: ModelSpec) -> int:
+    """Parameter tensors (one `.grad` accumulation kernel each): 7 matrices and 2 norms per
+    block, the embedding, the final norm and an untied head."""
+    return 9 * model.layers + 2 + (0 if model.tied_embeddings else 1)

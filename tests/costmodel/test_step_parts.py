@@ -1,0 +1,100 @@
+"""The step's bandwidth-bound parts: elementwise, casts, loss, optimizer, launch overhead."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout
+from hexiseq.catalog import gpu_spec
+from hexiseq.costmodel import DatasheetCostModel, simulate_step
+from hexiseq.costmodel._runtime_work import ADAMW_BYTES_PER_PARAM, ADAMW_MEASURED_SLOWDOWN
+from hexiseq.costmodel._state import BREAKDOWN_KEYS
+from hexiseq.costmodel.datasheet import KERNEL_FLOOR_S, attention_seconds_per_pair_head
+from hexiseq.plan import RankTime
+
+SMALL = ModelSpec(
+    name="small", layers=4, hidden=256, heads=8, kv_heads=4, head_dim=32, ffn_hidden=688,
+    vocab=1024,
+)  # fmt: skip
+
+
+def h100s(count: int) -> Cluster:
+    return Cluster.from_dict(
+        {"name": "h", "nodes": [{"name": "n0", "gpu": "H100-SXM", "count": count}]}
+    )
+
+
+def predict(model, seq_len, count=1, fractions=None, checkpointing=True):
+    layout = build_uniform_layout(seq_len, model.heads, model.kv_heads, [1] * count)
+    train = TrainSpec(seq_len=seq_len, activation_checkpointing=checkpointing)
+    cost = DatasheetCostModel()
+    return simulate_step(h100s(count), model, train, layout, cost, fractions)
+
+
+def test_breakdown_keys_are_the_rank_time_fields():
+    assert tuple(f.name for f in dataclasses.fields(RankTime)) == BREAKDOWN_KEYS
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_parts_add_up_to_the_step(count):
+    prediction = predict(ModelSpec.preset("llama3.2-3b"), 8192, count)
+    for rank in prediction.rank_times:
+        assert rank.step_s == pytest.approx(prediction.step_time_s, rel=1e-9)
+        for key in ("elementwise_s", "cast_s", "loss_s", "optimizer_s"):
+            assert getattr(rank, key) > 0, key
+
+
+def test_optimizer_time_follows_the_state_share():
+    model = ModelSpec.preset("llama3.2-3b")
+    prediction = predict(model, 8192, 2, fractions=[0.25, 0.75])
+    small, large = (rank.optimizer_s for rank in prediction.rank_times)
+    assert large == pytest.approx(3 * small, rel=1e-9)
+    spec = gpu_spec("H100-SXM")
+    bandwidth = spec.hbm_GBps * 1e9 * spec.memory_bound_efficiency
+    bytes_moved = 0.75 * model.params * ADAMW_BYTES_PER_PARAM * ADAMW_MEASURED_SLOWDOWN
+    assert large == pytest.approx(bytes_moved / bandwidth, rel=1e-9)
+
+
+def test_short_kernels_pay_the_launch_floor_long_ones_do_not():
+    tiny = predict(SMALL, 2048, checkpointing=False).rank_times[0]
+    large = predict(ModelSpec.preset("llama3.2-3b"), 8192).rank_times[0]
+    assert tiny.launch_s > tiny.elementwise_s  # 2K tokens x 256 wide: host-bound
+    assert large.launch_s == 0.0  # every kernel moves enough bytes
+
+
+def test_datasheet_kernel_floor():
+    cost = DatasheetCostModel()
+    assert cost.memory_bound_time_s("H100-SXM", 0.0, calls=10) == pytest.approx(
+        10 * KERNEL_FLOOR_S
+    )
+    assert cost.memory_bound_time_s("H100-SXM", 1e12, calls=10) > 10 * KERNEL_FLOOR_S
+    assert cost.gemm_time_s("H100-SXM", 1.0, calls=3) == pytest.approx(3 * KERNEL_FLOOR_S)
+
+
+def test_attention_is_priced_for_the_kernel_the_device_runs():
+    cost = DatasheetCostModel()
+    args = ("H100-SXM", 1e9, 24, 128)
+    for backward in (False, True):
+        default = cost.attention_time_s(*args, backward=backward)
+        assert default == cost.attention_time_s(*args, backward=backward, kernel="flash")
+        assert cost.attention_time_s(*args, backward=backward, kernel="cudnn") < default
+        assert cost.attention_time_s(*args, backward=backward, kernel="efficient") > default
+
+
+def test_head_size_128_reproduces_the_catalog_rate_smaller_heads_run_slower():
+    spec = gpu_spec("H100-SXM")
+    seconds = attention_seconds_per_pair_head(spec, "flash", 128, backward=False)
+    assert 4 * 128 / seconds == pytest.approx(spec.peak_flops * 0.332, rel=1e-9)
+    rate = {d: 4 * d / attention_seconds_per_pair_head(spec, "flash", d, False) for d in (32, 64)}
+    assert rate[32] < rate[64] < 4 * 128 / seconds
+    # Shared H100 profile (8 heads, causal 16K): D=64 runs at 0.85x the D=128 rate.
+    assert rate[64] / (4 * 128 / seconds) == pytest.approx(0.85, abs=0.03)
+
+
+def test_an_fp32_run_has_no_casts():
+    layout = build_uniform_layout(4096, SMALL.heads, SMALL.kv_heads, [1])
+    train = TrainSpec(seq_len=4096, compute_dtype_bytes=4)
+    prediction = simulate_step(h100s(1), SMALL, train, layout, DatasheetCostModel())
+    assert prediction.rank_times[0].cast_s == 0.0
