@@ -1,9 +1,11 @@
 """The torch calls a compute point times, with their random inputs.
 
-Attention calls the runtime's own kernel module (`hexiseq.runtime.kernels`, the one edge from
-the profiler into the runtime), with the kernel `hexiseq.kernels.attention_kernel` names for the
-device, dtype and head size: the kernel the runtime runs and the cost model prices. The
-backward is given the forward's output and fp32 log-sum-exp, as the runtime's ring backward is.
+Attention times the kernel `hexiseq.kernels.attention_kernel` names for the device, dtype and
+head size: the one rule the runtime runs by and the cost model prices by. The calls are the
+ones `hexiseq.runtime.kernels` makes, written here because the profiler may not import the
+runtime (DESIGN.md §1); `tests/profiler/test_compute_kernels.py` holds the two equal, output
+for output, on every kernel the machine can run. The backward is given the forward's output
+and fp32 log-sum-exp, as the runtime's ring backward is.
 Shapes as the runtime's tiles: q (1, H, L, D), k/v (1, H, S, D) (GQA expanded by the caller).
 The kernel's name is recorded in each measurement's `extra["kernel"]`.
 """
@@ -16,7 +18,6 @@ import torch
 from torch.nn import functional
 
 from hexiseq.kernels import attention_kernel as _kernel_rule
-from hexiseq.runtime import kernels as runtime_kernels
 
 from ._points import Point
 
@@ -88,12 +89,36 @@ def _attention_calls(params, random, input_sets, kernel, backward):
 
 
 def _forward(kernel, q, k, v, causal, scale):
-    """(out, lse fp32) as the runtime's `block_forward` computes them."""
-    return runtime_kernels.forward_with(kernel, q, k, v, causal=causal, scale=scale)
+    """(out, lse fp32) as the runtime's `forward_with` computes them."""
+    if kernel == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.float()
+    if kernel == "flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse.float()
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.shape[2]].float()  # drop the kernel's row padding
 
 
 def _backward(kernel, dout, q, k, v, out, lse, causal, scale):
-    """(dq, dk, dv) as the runtime's `block_backward` computes them."""
-    return runtime_kernels.backward_with(
-        kernel, dout, q, k, v, out, lse, causal=causal, scale=scale
-    )
+    """(dq, dk, dv) as the runtime's `backward_with` computes them."""
+    if kernel == "cpu_flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2],
+            0.0, causal, no_rng, no_rng, scale=scale,
+        )  # fmt: skip
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0,
+        [True, True, True, False], causal, scale=scale,
+    )[:3]  # fmt: skip

@@ -1,8 +1,9 @@
 """Block attention kernels that return the log-sum-exp, and their backward (torch).
 
-The one module that calls the attention kernels: the runtime's ring (`_block`) and the
-profiler (`hexiseq.profiler`) both call `forward_with` / `backward_with` with the kernel
-`hexiseq.kernels.attention_kernel` names, the rule the cost model prices too.
+The runtime's ring (`_block`) calls `block_forward` / `block_backward`, which run the kernel
+`hexiseq.kernels.attention_kernel` names: the rule the cost model prices and the profiler
+times by. The profiler makes the same calls itself (it may not import the runtime); a test
+holds its calls equal to these.
 
 A tile (see `_tiles`) is either fully visible or a square with the standard causal mask, so
 every kernel here is called with `is_causal` and no mask tensor. Shapes: q (B, H, L, D),

@@ -7,17 +7,12 @@ import torch
 
 import hexiseq.kernels
 from hexiseq.costmodel import datasheet
-from hexiseq.runtime import _kernels, kernels
+from hexiseq.runtime import kernels
 
 
 def test_runtime_and_cost_model_share_one_kernel_rule():
     assert kernels.attention_kernel is hexiseq.kernels.attention_kernel
     assert datasheet.attention_kernel is hexiseq.kernels.attention_kernel
-
-
-def test_old_import_path_is_the_public_module():
-    assert _kernels.block_forward is kernels.block_forward
-    assert _kernels.block_backward is kernels.block_backward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

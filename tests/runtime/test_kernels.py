@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hexiseq.runtime._block import OnlineSoftmax
-from hexiseq.runtime._kernels import (
+from hexiseq.runtime.kernels import (
     block_backward,
     block_forward,
     explicit_backward,
