@@ -48,15 +48,16 @@ class MemoryPoint:
     device_type: str
     memory_measure: str
     dynamic_bytes: float
-    """The memory model's peak without its reserve."""
+    """The memory model's allocated peak (no context reserve, no fragmentation)."""
     measured_bytes: float
     run_id: int
     modelled_reserve_bytes: float = 0.0
-    """The memory model's own reserve (replaced by the fitted one once calibrated)."""
+    """The part of the model's own reserve the measure counts (replaced by the fitted one
+    once calibrated)."""
 
     @property
     def modelled_bytes(self) -> float:
-        """The uncalibrated memory model's peak."""
+        """The uncalibrated memory model's peak as the measure counts it."""
         return self.dynamic_bytes + self.modelled_reserve_bytes
 
 
@@ -78,13 +79,19 @@ def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
             memory = modelled[rank]
             points.append(MemoryPoint(
                 device_type=plan.cluster.devices[rank].gpu, memory_measure=measure,
-                # The allocated peak: what `cuda_max_allocated` counts (no context, no
-                # fragmentation); on CPU the RSS's interpreter is the fitted reserve.
+                # What `cuda_max_allocated` counts; on CPU the RSS's interpreter and
+                # libraries are what the fitted reserve takes up.
                 dynamic_bytes=float(memory.allocated_bytes),
                 measured_bytes=float(peak_bytes), run_id=source.run_id,
-                modelled_reserve_bytes=float(memory.reserve),
+                modelled_reserve_bytes=_reserve_counted(memory.reserve, measure),
             ))  # fmt: skip
     return points
+
+
+def _reserve_counted(reserve_bytes: int, memory_measure: str) -> float:
+    """The part of the model's reserve a measure counts: a process's resident set holds the
+    interpreter and libraries; CUDA's allocated bytes hold none of the context."""
+    return 0.0 if memory_measure == "cuda_max_allocated" else float(reserve_bytes)
 
 
 def fit_memory(points: Sequence[MemoryPoint]) -> tuple[list[MemoryFit], list[Skipped]]:

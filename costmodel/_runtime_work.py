@@ -35,7 +35,32 @@ import numpy as np
 from hexiseq.model import ModelSpec, TrainSpec
 
 FP32 = 4
-RESIDUAL_BYTES = FP32  # the runtime's weights and residual stream are fp32 (runtime/model.py)
+MASTER_BYTES = FP32  # parameters and gradients (runtime/model.py, runtime/sharding.py)
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeDtypes:
+    """Bytes per element of what the runtime computes with (the memory model and the step
+    simulator both read this one rule)."""
+
+    compute: int
+    """Matmul inputs and outputs, attention, logits."""
+    stream: int
+    """The residual stream, RoPE's tables, RMSNorm's input and output."""
+    casts_weights: bool
+    """Autocast copies each FP32 weight to `compute` at every use."""
+
+
+def runtime_dtypes(train: TrainSpec, sharded: bool) -> RuntimeDtypes:
+    """One rank: FP32 weights under autocast, so the embedding's output and the residual
+    stream stay FP32 and every linear casts its weight and its input. More ranks: FSDP2
+    gathers the weights in the compute dtype (`runtime/sharding.py`), so the stream is in the
+    compute dtype and autocast casts nothing (`tests/costmodel/test_memory_runtime.py`)."""
+    compute = train.compute_dtype_bytes
+    if sharded:
+        return RuntimeDtypes(compute, compute, False)
+    return RuntimeDtypes(compute, MASTER_BYTES, compute != MASTER_BYTES)
+
 
 ADAMW_BYTES_PER_PARAM = 84
 """torch.optim.AdamW, foreach (torch/optim/adam.py `_multi_tensor_adam`), fp32 everything:
@@ -87,26 +112,33 @@ def _widths(model: ModelSpec) -> tuple[int, int, int, int]:
     )
 
 
-def block_elementwise_per_token(model: ModelSpec, train: TrainSpec, *, backward: bool) -> Work:
-    """One decoder block's elementwise kernels per token, forward or backward (casts apart)."""
+def block_elementwise_per_token(
+    model: ModelSpec, dtypes: RuntimeDtypes, *, backward: bool
+) -> Work:
+    """One decoder block's elementwise kernels per token, forward or backward (casts apart).
+    RMSNorm computes in FP32 whatever the stream (`runtime/model.py`): a stream in the compute
+    dtype adds its upcast and its output's cast back (two kernels a norm, each way)."""
     e, f, q, k = _widths(model)
-    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
+    c, s, r = dtypes.compute, dtypes.stream, FP32
     gqa = model.gqa_ratio > 1
+    norm_casts = 0 if s == FP32 else 2 * 2 * (s + FP32) * e
+    norm_cast_kernels = 0 if s == FP32 else 2 * 2
     if not backward:
-        norms = 2 * 7 * r * e  # pow (2), mean (1), x*rsqrt (2), *weight (2), in units of r·E
-        rope = (6 * c + 6 * r) * (q + k)  # neg, cat, *cos, *sin (to fp32), add, cast back
-        residual = 2 * (2 * r + c) * e  # fp32 x + bf16 branch -> fp32
+        norms = 2 * 7 * r * e + norm_casts  # pow (2), mean (1), x*rsqrt (2), *weight (2)
+        rope = (6 * c + 6 * s) * (q + k)  # neg, cat, *cos, *sin (promoted to s), add, cast
+        residual = 2 * (2 * s + c) * e  # x + the branch -> the stream's dtype
         swiglu = 5 * c * f  # silu (2), mul (3)
         attention = _attention_forward_bytes(q, k, c, r, gqa)
-        return Work(norms + rope + residual + swiglu + attention, 2 * 6 + 2 * 6 + 2 + 2 + 23)
-    norms = 2 * 16 * r * e  # mul/weight-grad, x*rsqrt and rsqrt-grad, mean/pow grads, sum
-    rope = 7 * (r + c) * (q + k)  # cast back, *cos, *sin (+ casts), neg, sum of two paths
-    residual = 2 * (r + c) * e + 2 * 3 * r * e  # grads to the bf16 branches; skip-path sums
-    input_grad_sums = 3 * 3 * r * e  # q+k+v and gate+up input gradients summed (fp32)
+        kernels = 2 * 6 + norm_cast_kernels + 2 * 6 + 2 + 2 + 23
+        return Work(norms + rope + residual + swiglu + attention, kernels)
+    norms = 2 * 16 * r * e + norm_casts  # mul/weight-grad, x*rsqrt, rsqrt-grad, mean/pow, sum
+    rope = 7 * (s + c) * (q + k)  # cast back, *cos, *sin (+ casts), neg, sum of two paths
+    residual = 2 * (s + c) * e + 2 * 3 * s * e  # grads to the branches; skip-path sums
+    input_grad_sums = 3 * 3 * s * e  # q+k+v and gate+up input gradients summed
     swiglu = 9 * c * f  # mul backward (two products), silu backward
     attention = _attention_backward_bytes(q, k, c, r, gqa)
     total = norms + rope + residual + input_grad_sums + swiglu + attention
-    return Work(total, 2 * 10 + 2 * 8 + 4 + 3 + 3 + 25)
+    return Work(total, 2 * 10 + norm_cast_kernels + 2 * 8 + 4 + 3 + 3 + 25)
 
 
 def _attention_forward_bytes(q: int, k: int, c: int, r: int, gqa: bool) -> float:
@@ -134,40 +166,42 @@ def _attention_backward_bytes(q: int, k: int, c: int, r: int, gqa: bool) -> floa
 
 
 def block_activation_casts_per_token(
-    model: ModelSpec, train: TrainSpec, *, backward: bool
+    model: ModelSpec, dtypes: RuntimeDtypes, *, backward: bool
 ) -> Work:
-    """Autocast's casts of the normed fp32 activations to the compute dtype, one per linear
-    that reads them (q, k, v, gate, up), and in backward their gradients back to fp32."""
-    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
-    if c == r:
+    """Autocast's casts of the normed activations to the compute dtype, one per linear that
+    reads them (q, k, v, gate, up), and in backward their gradients back; none when the
+    stream is already in the compute dtype."""
+    c, s = dtypes.compute, dtypes.stream
+    if c == s:
         return Work(0.0, 0)
-    return Work(5 * (r + c) * model.hidden, 5)
+    return Work(5 * (s + c) * model.hidden, 5)
 
 
-def weight_casts_per_layer(train: TrainSpec, *, backward: bool) -> Work:
-    """Per matmul weight of a block, bytes of autocast's weight casts: each use (forward, and
-    the recompute under checkpointing) reads fp32 and writes bf16; the backward turns the bf16
-    weight gradient into fp32. Multiply by the block's matmul parameters (7 kernels a pass)."""
-    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
-    if c == r:
+def weight_casts_per_layer(dtypes: RuntimeDtypes, *, backward: bool) -> Work:
+    """Per matmul weight of a block, bytes of its casts: each use under autocast (forward,
+    and the recompute under checkpointing) reads fp32 and writes bf16, the backward turns the
+    bf16 weight gradient into fp32; with FSDP2 the shard's cast before the gather and the
+    gradient's before the fp32 reduce-scatter (`_step_parts._cast_params` counts which).
+    Multiply by the block's matmul parameters (7 kernels a pass)."""
+    if dtypes.compute == MASTER_BYTES:
         return Work(0.0, 0)
-    return Work(float(r + c), 7)
+    return Work(float(MASTER_BYTES + dtypes.compute), 7)
 
 
 def loss_per_token(model: ModelSpec, train: TrainSpec) -> Work:
     """`runtime/loss.py` per token: logits upcast to fp32 (c + r per logit), log-softmax (two
     reads, one write), its backward (nll gradient written into zeros; log-softmax backward
     reads the gradient and the output, writes one), the upcast's backward (r + c)."""
-    c, r = train.compute_dtype_bytes, RESIDUAL_BYTES
+    c, r = train.compute_dtype_bytes, FP32
     upcast = 0 if c == r else 2 * (c + r)
     return Work(float((upcast + 3 * r + r + 3 * r) * model.vocab), 8)
 
 
-def head_elementwise_per_token(model: ModelSpec) -> Work:
-    """Embedding lookup (fp32 rows written) and its backward's per-token reads, the final
-    RMSNorm forward and backward (as a block's norm)."""
-    e = model.hidden
-    return Work(float((RESIDUAL_BYTES + RESIDUAL_BYTES + 7 * 4 + 16 * 4) * e), 6 + 10 + 2)
+def head_elementwise_per_token(model: ModelSpec, dtypes: RuntimeDtypes) -> Work:
+    """Embedding lookup (rows written in the stream's dtype) and its backward's per-token
+    reads, the final RMSNorm forward and backward (as a block's norm)."""
+    e, s = model.hidden, dtypes.stream
+    return Work(float((s + s + 7 * FP32 + 16 * FP32) * e), 6 + 10 + 2)
 
 
 def embedding_gradient_bytes(model: ModelSpec) -> float:

@@ -17,8 +17,8 @@ import numpy as np
 from hexiseq.costmodel._runtime_work import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_MEASURED_SLOWDOWN,
+    FP32,
     GRAD_ACCUMULATE_BYTES_PER_PARAM,
-    RESIDUAL_BYTES,
     adamw_launches,
     block_activation_casts_per_token,
     block_elementwise_per_token,
@@ -26,6 +26,7 @@ from hexiseq.costmodel._runtime_work import (
     head_elementwise_per_token,
     loss_per_token,
     matmul_params_per_layer,
+    runtime_dtypes,
     weight_casts_per_layer,
 )
 from hexiseq.costmodel._state import Ledger, SimContext, per_gpu_type
@@ -88,10 +89,11 @@ def layer_bandwidth_parts(
 ) -> Parts:
     """One layer's elementwise kernels and casts, forward or backward, per rank."""
     tokens = context.tokens.astype(np.float64)
-    model, train = context.model, context.train
-    elementwise = block_elementwise_per_token(model, train, backward=backward)
-    activation_casts = block_activation_casts_per_token(model, train, backward=backward)
-    weight_casts = weight_casts_per_layer(train, backward=backward)
+    model = context.model
+    dtypes = runtime_dtypes(context.train, sharded=context.layout.world_size > 1)
+    elementwise = block_elementwise_per_token(model, dtypes, backward=backward)
+    activation_casts = block_activation_casts_per_token(model, dtypes, backward=backward)
+    weight_casts = weight_casts_per_layer(dtypes, backward=backward)
     weight_cast_bytes = weight_casts.bytes * _cast_params(context, fractions, backward)
     return add_parts(
         bandwidth_parts(context, "elementwise_s", elementwise.bytes * tokens, elementwise.kernels),
@@ -125,9 +127,12 @@ def head_and_loss_parts(context: SimContext, fractions: Sequence[float]) -> Ledg
     head_flops = 2.0 * model.hidden * model.vocab * tokens
     head_matrix = float(model.vocab * model.hidden)
     head_bytes = element * (tokens * model.hidden + head_matrix + tokens * model.vocab)
+    dtypes = runtime_dtypes(train, sharded=context.layout.world_size > 1)
     loss = loss_per_token(model, train)
-    head = head_elementwise_per_token(model)
-    casts = 0.0 if element == RESIDUAL_BYTES else 2.0 * (element + RESIDUAL_BYTES) * head_matrix
+    head = head_elementwise_per_token(model, dtypes)
+    # Autocast casts the FP32 head weight for the forward and its gradient back; FSDP2 gathers
+    # it in the compute dtype (its shard's cast is small) and reduces its gradient in FP32.
+    casts = 2.0 * (element + FP32) * head_matrix if dtypes.casts_weights else 0.0
     shares = np.asarray(fractions, dtype=np.float64)
     ledger = Ledger(context.layout.world_size)
     for parts in (

@@ -41,12 +41,12 @@ from dataclasses import asdict, dataclass
 
 from hexiseq.catalog import GiB, MiB
 from hexiseq.cluster import Cluster
+from hexiseq.costmodel._runtime_work import MASTER_BYTES, RuntimeDtypes, runtime_dtypes
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 
 MEMORY_LIMIT_FRACTION = 0.95
 FP32 = 4
-MASTER_BYTES = FP32  # parameters and gradients are FP32 in the runtime (autocast / FSDP2 policy)
 LOSS_BYTES_PER_LOGIT = 12  # FP32 log-softmax output (saved) + its gradient + the logits' gradient
 # CUDA kernels' workspaces inside `max_memory_allocated` that a CPU run does not allocate:
 # cuBLAS/cuBLASLt workspaces (32 MiB each on Hopper, PyTorch `CublasHandlePool.cpp`) and the
@@ -194,24 +194,28 @@ class MemoryBreakdown:
         return max(self.phase_peaks().values())
 
     def terms(self) -> dict[str, int]:
-        """The peak split into the terms a person reads; they add up to `peak_bytes`."""
+        """The peak phase split into the terms a person reads; they add up to `peak_bytes`."""
         phase = self.peak_phase
-        with_gradients = phase.startswith(("last_layer", "optimizer"))
         states = self.parameters + self.optimizer_states
-        states += self.gradients if with_gradients else 0
-        if phase.startswith("last_layer"):
+        sharding = self.gathered_parameters
+        if phase == "optimizer":
+            states, sharding, activations = states + self.gradients, 0, 0
+        elif phase.startswith("last_layer"):
+            states += self.gradients - self.pending_gradients
+            sharding += self.sharding_backward_buffers
             activations = self.embedding_output + self.layer_activations
-        elif phase == "optimizer":
-            activations = 0
         else:
             activations = self.embedding_output + self.checkpoints + self.saved_activations
+            if phase.startswith("first_layer"):
+                sharding += self.sharding_backward_buffers
+                activations += max(self.layer_activations - self.saved_activations, 0)
+                activations -= self.block_output
         allocated = self.allocated_bytes
-        fixed = states + activations + self.gathered_parameters + self.kernel_workspaces
         return {
             "model_states": states,
-            "sharding_buffers": self.gathered_parameters,
+            "sharding_buffers": sharding,
             "activations": activations,
-            "working_set": allocated - fixed,
+            "working_set": allocated - states - sharding - activations - self.kernel_workspaces,
             "workspaces": self.kernel_workspaces,
             "reserve": self.peak_bytes - allocated,
         }
@@ -313,26 +317,10 @@ def rank_memory(
     )
 
 
-@dataclass(frozen=True, slots=True)
-class _Dtypes:
-    """Bytes per element of what the runtime computes with (see the module docstring)."""
-
-    compute: int  # matmul inputs and outputs, attention, logits
-    stream: int  # the residual stream, RMSNorm outputs
-    casts_weights: bool  # autocast copies FP32 weights to `compute` at every use
-
-
-def _dtypes(train: TrainSpec, shape: RankShape) -> _Dtypes:
-    compute = train.compute_dtype_bytes
-    if shape.sharded:  # FSDP2 gathers the weights in the compute dtype: no casts, no FP32 stream
-        return _Dtypes(compute, compute, False)
-    return _Dtypes(compute, MASTER_BYTES, compute != MASTER_BYTES)
-
-
 def _modelled_memory(
     model: ModelSpec, train: TrainSpec, shape: RankShape, state_fraction: float
 ) -> MemoryBreakdown:
-    dtypes = _dtypes(train, shape)
+    dtypes = runtime_dtypes(train, shape.sharded)
     layer = layer_activation_bytes(model, dtypes, shape)
     cuda = not shape.is_cpu
     return MemoryBreakdown(
@@ -376,7 +364,7 @@ def pending_gradient_params(model: ModelSpec) -> int:
     return model.params_per_layer - model.hidden * model.ffn_hidden + embedding
 
 
-def gathered_parameter_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape) -> int:
+def gathered_parameter_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape) -> int:
     """FSDP2's root unit (embedding, final norm, LM head) gathered in the compute dtype
     (`runtime/sharding.py`): FSDP2 does not reshard the root after the forward, so it stays
     gathered until the backward ends. Nothing when one rank holds everything."""
@@ -386,7 +374,7 @@ def gathered_parameter_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape
 
 
 def sharding_backward_bytes(
-    model: ModelSpec, dtypes: _Dtypes, shape: RankShape, state_fraction: float
+    model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape, state_fraction: float
 ) -> int:
     """FSDP2's buffers while a block's backward runs: the block's weights gathered in the
     compute dtype, the previous block's unsharded gradients in FP32 on their way into the
@@ -398,13 +386,13 @@ def sharding_backward_bytes(
     return int(block * (dtypes.compute + FP32) + 2 * block * FP32 * state_fraction)
 
 
-def embedding_output_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+def embedding_output_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
     """The embedding's output (block 0's input) and RoPE's cos and sin tables (T x D each),
     in the stream's dtype (`runtime/model.py` `rope_tables`)."""
     return tokens * (model.hidden + 2 * model.head_dim) * dtypes.stream
 
 
-def _norm_saved_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+def _norm_saved_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
     """An RMSNorm's saved tensors: the FP32 normalized input (saved by the weight multiply),
     the FP32 reciprocal RMS per token, and an FP32 copy of the input when the stream is not
     FP32 (saved by the square); an FP32 input is the stream tensor itself."""
@@ -412,13 +400,13 @@ def _norm_saved_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
     return tokens * (model.hidden * FP32 + FP32 + upcast)
 
 
-def _input_copies(dtypes: _Dtypes, consumers: int) -> int:
+def _input_copies(dtypes: RuntimeDtypes, consumers: int) -> int:
     """Copies of a norm's output the projections save: autocast casts it for each consumer
     when its dtype differs from the compute dtype; otherwise all share one tensor."""
     return consumers if dtypes.stream != dtypes.compute else 1
 
 
-def layer_activation_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape) -> int:
+def layer_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape) -> int:
     """What one decoder block saves for its backward on this rank, its output excluded (the
     output is the next block's checkpoint). From `runtime/model.py` and `runtime/_ring.py`:
 
@@ -441,13 +429,13 @@ def layer_activation_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape) 
     return norm + qkv_inputs + head_form + output_projection + attention_weights + mlp
 
 
-def _attention_weight_copies(model: ModelSpec, dtypes: _Dtypes) -> int:
+def _attention_weight_copies(model: ModelSpec, dtypes: RuntimeDtypes) -> int:
     if not dtypes.casts_weights:
         return 0
     return (_linear_params_per_layer(model) - 3 * model.hidden * model.ffn_hidden) * dtypes.compute
 
 
-def mlp_activation_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+def mlp_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
     """The block's part freed before its attention backward: the MLP norm's saved tensors,
     its output for gate and up, SwiGLU's gate, silu(gate), up and their product (4 x ffn per
     token), and the MLP weights' compute-dtype copies under autocast."""
@@ -461,7 +449,7 @@ def mlp_activation_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
     return norm + inputs + swiglu + weights
 
 
-def weight_cache_bytes(model: ModelSpec, dtypes: _Dtypes, checkpointing: bool) -> int:
+def weight_cache_bytes(model: ModelSpec, dtypes: RuntimeDtypes, checkpointing: bool) -> int:
     """Autocast's cache of compute-dtype weight copies, held until the forward's autocast
     region ends. Without checkpointing every copy is saved by its matmul anyway
     (`layer_activation_bytes`); with it the cache alone holds them."""
@@ -470,7 +458,7 @@ def weight_cache_bytes(model: ModelSpec, dtypes: _Dtypes, checkpointing: bool) -
     return model.layers * _linear_params_per_layer(model) * dtypes.compute
 
 
-def head_activation_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+def head_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
     """The final norm's saved tensors, its output in the compute dtype (saved by the LM head)
     and, under autocast, the LM head weight's compute-dtype copy."""
     norm = _norm_saved_bytes(model, dtypes, tokens)
@@ -479,7 +467,7 @@ def head_activation_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int
     return norm + output + weight
 
 
-def mlp_backward_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
+def mlp_backward_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
     """The MLP backward's peak, above the block's activations: the gradients of the SwiGLU
     product, of silu(gate) and of up (the product itself freed: net 2 x ffn per token), and
     the residual stream's gradient; the down projection's weight copy is freed by then."""
@@ -489,7 +477,7 @@ def mlp_backward_bytes(model: ModelSpec, dtypes: _Dtypes, tokens: int) -> int:
 
 
 def attention_backward_bytes(
-    model: ModelSpec, dtypes: _Dtypes, shape: RankShape, cuda: bool
+    model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape, cuda: bool
 ) -> int:
     """The attention backward's peak above the block's activations (`runtime/_ring.py`,
     `runtime/_block.py`): the FP32 dQ accumulator and the sorted dO copy over the segment; a
@@ -506,7 +494,7 @@ def attention_backward_bytes(
     return query_side + key_side + sequence
 
 
-def ring_buffer_bytes(model: ModelSpec, dtypes: _Dtypes, shape: RankShape) -> int:
+def ring_buffer_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape) -> int:
     """Ring attention's in-flight blocks in the backward pass: the K/V block in hand and the
     next one (compute dtype), each with its travelling FP32 dK/dV, sized for the largest
     block that visits (Liu et al. 2023, Ring Attention; `runtime/_ring.py`)."""

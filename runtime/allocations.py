@@ -2,16 +2,16 @@
 
 `AllocationTracker` is a `TorchDispatchMode`: every tensor an operator returns whose storage it
 has not seen is counted (its storage's bytes) until the storage is freed (a weak reference's
-callback), and storages resized in place (FSDP2 frees and refills its gathered parameters that
-way) are re-counted. Tensors made before the tracker started (the parameters) are registered
-with `track`. What it reports is the exact sum of live storage bytes at every operator: what
-`torch.cuda.max_memory_allocated` reports on a GPU before the caching allocator's rounding
-(512-byte blocks, which `costmodel.memory` adds), on any device, CPU included.
+callback); storages resized in place (FSDP2 frees and refills its gathered parameters that
+way) are re-counted, and a wrapper tensor (FSDP2's DTensor) is counted by its local shard.
+Tensors made before the tracker started (the parameters) are registered with `track`. The
+count is the exact sum of live storage bytes after every operator, on any device: on a GPU,
+what `torch.cuda.max_memory_allocated` reports less the caching allocator's rounding.
 
 The caller names the phase of the step (`phase("forward")` …); each phase records the bytes
-live when it began, its peak and what was live at that peak by *kind*: parameters, gradients
-and optimizer states (`classify` names them once they exist), or the phase that allocated it.
-The step's peak is the largest phase peak.
+live when it began and its peak, and every live storage is labelled with the phase that made
+it (or the kind given to `track`), so what a phase left behind can be read by label.
+`measure_step_allocations` runs the runtime's real step under it.
 """
 
 from __future__ import annotations
@@ -19,21 +19,25 @@ from __future__ import annotations
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from hexiseq.plan import Plan
+from hexiseq.runtime import train as training
+from hexiseq.runtime._emulation import ComputePadding
+from hexiseq.runtime.attention import CPHPAttention
+from hexiseq.runtime.model import build_model, token_positions
+
 
 @dataclass
 class PhasePeak:
-    """One phase of the step: bytes live when it began, at its peak, and that peak by kind."""
+    """One phase of the step: bytes live when it began and at its peak."""
 
     start_bytes: int
     peak_bytes: int
-    peak_by_kind: dict[str, int] = field(default_factory=dict)
-    peak_operator: str = ""
 
     @property
     def growth_bytes(self) -> int:
@@ -47,127 +51,52 @@ class AllocationTracker(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._sizes: dict[int, int] = {}  # storage key -> bytes
-        self._origin: dict[int, str] = {}  # storage key -> kind (phase, or a `classify` name)
-        self._shapes: dict[int, tuple[str, tuple[int, ...], str]] = {}  # key -> what made it
+        self._labels: dict[int, str] = {}  # storage key -> the phase that made it, or a kind
         self._refs: dict[int, weakref.ref] = {}
+        self._original_resize = None
         self.live_bytes = 0
         self.current_phase = "setup"
         self.phases: dict[str, PhasePeak] = {}
-        self._resize = None
-        self._operator = ""
-
-    # -- what is live -------------------------------------------------------------------------
 
     def track(self, tensors: Iterable[torch.Tensor], kind: str) -> None:
         """Count `tensors` made outside the tracker (parameters, inputs) as `kind`."""
         for tensor in tensors:
             self._add(tensor.untyped_storage(), kind)
 
-    def classify(self, tensors: Iterable[torch.Tensor | None], kind: str) -> None:
-        """Name the storages of `tensors` (gradients, optimizer states) `kind` from now on."""
-        for tensor in tensors:
-            if tensor is None:
-                continue
-            key = self._key(tensor.untyped_storage())
-            if key in self._sizes:
-                self._origin[key] = kind
-            else:
-                self._add(tensor.untyped_storage(), kind)
-
     def live_by_kind(self) -> dict[str, int]:
-        """Bytes live now, by kind."""
+        """Bytes live now, by label."""
         totals: dict[str, int] = {}
         for key, size in self._sizes.items():
-            kind = self._origin[key]
-            totals[kind] = totals.get(kind, 0) + size
+            totals[self._labels[key]] = totals.get(self._labels[key], 0) + size
         return totals
 
     @contextmanager
     def phase(self, name: str) -> Iterator[PhasePeak]:
-        """Attribute what is allocated inside to `name` and record the phase's peak."""
+        """Label what is allocated inside `name` and record the phase's peak (a phase met
+        again, as with micro-batches, keeps its worst)."""
         previous, earlier = self.current_phase, self.phases.get(name)
         self.current_phase = name
-        record = PhasePeak(self.live_bytes, self.live_bytes, self.live_by_kind())
+        record = PhasePeak(self.live_bytes, self.live_bytes)
         self.phases[name] = record
         try:
             yield record
         finally:
             self.current_phase = previous
             if earlier is not None and earlier.peak_bytes >= record.peak_bytes:
-                self.phases[name] = earlier  # a phase met again (micro-batches): its worst
+                self.phases[name] = earlier
 
     @property
     def peak_bytes(self) -> int:
         return max((p.peak_bytes for p in self.phases.values()), default=self.live_bytes)
 
-    # -- bookkeeping --------------------------------------------------------------------------
-
-    @staticmethod
-    def _key(storage: torch.UntypedStorage) -> int:
-        return storage._cdata
-
-    def live_tensors(self, kind: str) -> list[tuple[str, tuple[int, ...], str, int]]:
-        """(operator, shape, dtype, bytes) of the storages of `kind` live now (diagnostics)."""
-        return [
-            (*self._shapes.get(key, ("", (), "")), size)
-            for key, size in self._sizes.items()
-            if self._origin[key] == kind
-        ]
-
-    def _add(self, storage: torch.UntypedStorage, kind: str, tensor=None) -> None:
-        key = self._key(storage)
+    def _add(self, storage: torch.UntypedStorage, label: str) -> None:
+        key = storage._cdata  # the StorageImpl: one per storage, however many views
         if key in self._sizes:
             return
-        if tensor is not None:
-            self._shapes[key] = (self._operator, tuple(tensor.shape), str(tensor.dtype))
-        size = storage.nbytes()
-        self._sizes[key] = size
-        self._origin[key] = kind
+        self._sizes[key] = storage.nbytes()
+        self._labels[key] = label
         self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
-        self._grow(size)
-
-    def _free(self, key: int) -> None:
-        size = self._sizes.pop(key, 0)
-        self._origin.pop(key, None)
-        self._refs.pop(key, None)
-        self._shapes.pop(key, None)
-        self.live_bytes -= size
-
-    def _grow(self, size: int) -> None:
-        self.live_bytes += size
-        record = self.phases.get(self.current_phase)
-        if record is not None and self.live_bytes > record.peak_bytes:
-            record.peak_bytes = self.live_bytes
-            record.peak_by_kind = self.live_by_kind()
-            record.peak_operator = self._operator
-
-    def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
-        key = self._key(storage)
-        if key not in self._sizes:
-            return
-        change = size - self._sizes[key]
-        self._sizes[key] = size
-        if change > 0:
-            self._grow(change)
-        else:
-            self.live_bytes += change
-
-    def __enter__(self) -> AllocationTracker:
-        original = torch.UntypedStorage.resize_
-        tracker = self
-
-        def resize_(storage: torch.UntypedStorage, size: int):
-            result = original(storage, size)
-            tracker._resized(storage, size)
-            return result
-
-        self._resize = original
-        torch.UntypedStorage.resize_ = resize_
-        return super().__enter__()
-
-    def __exit__(self, *args) -> None:
-        torch.UntypedStorage.resize_ = self._resize
-        super().__exit__(*args)
+        self._grow(self._sizes[key])
 
     def _add_tensor(self, tensor: torch.Tensor) -> None:
         """Count `tensor`'s storage; a wrapper (FSDP2's DTensor) owns none of its own, so its
@@ -181,11 +110,47 @@ class AllocationTracker(TorchDispatchMode):
                 if isinstance(inner, torch.Tensor):
                     self._add_tensor(inner)
             return
-        self._add(tensor.untyped_storage(), self.current_phase, tensor)
+        self._add(tensor.untyped_storage(), self.current_phase)
+
+    def _free(self, key: int) -> None:
+        self.live_bytes -= self._sizes.pop(key, 0)
+        self._labels.pop(key, None)
+        self._refs.pop(key, None)
+
+    def _grow(self, size: int) -> None:
+        self.live_bytes += size
+        record = self.phases.get(self.current_phase)
+        if record is not None:
+            record.peak_bytes = max(record.peak_bytes, self.live_bytes)
+
+    def _resized(self, storage: torch.UntypedStorage, size: int) -> None:
+        key = storage._cdata
+        if key not in self._sizes:
+            return
+        change, self._sizes[key] = size - self._sizes[key], size
+        if change > 0:
+            self._grow(change)
+        else:
+            self.live_bytes += change
+
+    def __enter__(self) -> AllocationTracker:
+        original, tracker = torch.UntypedStorage.resize_, self
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            result = original(storage, size)
+            tracker._resized(storage, size)
+            return result
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *args) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize
+        super().__exit__(*args)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         outputs = func(*args, **(kwargs or {}))
-        self._operator = str(func)
         for leaf in tree_leaves(outputs):
             if isinstance(leaf, torch.Tensor):
                 self._add_tensor(leaf)
@@ -203,18 +168,13 @@ class StepAllocations:
 
 
 def measure_step_allocations(
-    plan, rank: int, dtype: torch.dtype, sharded: bool
+    plan: Plan, rank: int, dtype: torch.dtype, sharded: bool
 ) -> StepAllocations:
     """Run `plan`'s real training step (`runtime.train.run_step`) twice on this rank of an
     initialized process group, on the CPU, and count the second step's allocations by phase.
 
     Model, sharding and optimizer are built as `runtime.train.train` builds them; the first
     step creates the AdamW states, the second is the steady one a run's peak comes from."""
-    from hexiseq.runtime import train as training
-    from hexiseq.runtime._emulation import ComputePadding
-    from hexiseq.runtime.attention import CPHPAttention
-    from hexiseq.runtime.model import build_model, token_positions
-
     device = torch.device("cpu")
     context = training.RankContext(
         rank=rank,

@@ -161,3 +161,19 @@ def test_published_scale(preset):
         layout = build_uniform_layout(seq, model.heads, model.kv_heads, [1] * cluster.world_size)
     peak = estimate_memory(cluster, model, TrainSpec(seq_len=seq), layout)[0].peak_bytes
     assert 0.3 < peak / (80 * GiB) < 0.95
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("seq_len", [1600, 64_000])
+def test_terms_follow_the_peak_phase(checkpointing, seq_len):
+    """Each term is what the peak phase holds: no term negative, and they add up."""
+    layout = build_zigzag_layout(
+        seq_len, 4, 2, [[0, 1], [2, 3]], [seq_len // 2] * 2, [[3, 2], [1, 1]], [[3, 1], [2, 2]]
+    )
+    train = TrainSpec(seq_len=seq_len, activation_checkpointing=checkpointing)
+    for m in estimate_memory(CLUSTER, MODEL, train, layout):
+        terms = m.terms()
+        assert all(value >= 0 for value in terms.values()), (m.peak_phase, terms)
+        assert sum(terms.values()) == m.peak_bytes
+        if m.peak_phase == "optimizer":
+            assert terms["sharding_buffers"] == 0  # FSDP2 holds nothing gathered then

@@ -98,3 +98,27 @@ def test_an_fp32_run_has_no_casts():
     train = TrainSpec(seq_len=4096, compute_dtype_bytes=4)
     prediction = simulate_step(h100s(1), SMALL, train, layout, DatasheetCostModel())
     assert prediction.rank_times[0].cast_s == 0.0
+
+
+def test_one_dtype_rule_for_the_step_and_the_memory_model():
+    """One rank keeps an FP32 stream and autocast casts (5 activation casts a block); FSDP2
+    ranks run the stream in the compute dtype with no autocast casts, as the memory model
+    (measured against the runtime's allocations) says."""
+    from hexiseq.costmodel import _runtime_work as work
+    from hexiseq.costmodel.memory import RankShape, rank_memory
+    from hexiseq.model import ModelSpec, TrainSpec
+
+    model, train = ModelSpec.preset("small"), TrainSpec(seq_len=4096)
+    one, many = work.runtime_dtypes(train, sharded=False), work.runtime_dtypes(train, True)
+    assert (one.stream, one.casts_weights) == (4, True)
+    assert (many.stream, many.casts_weights) == (2, False)
+    assert work.block_activation_casts_per_token(model, one, backward=False).kernels == 5
+    assert work.block_activation_casts_per_token(model, many, backward=False).bytes == 0
+    assert (
+        work.block_elementwise_per_token(model, many, backward=True).bytes
+        < work.block_elementwise_per_token(model, one, backward=True).bytes
+    )
+    for sharded, dtypes in ((False, one), (True, many)):
+        shape = RankShape(4096, 4096, 8, 4, 0, sharded=sharded)
+        memory = rank_memory(model, train, shape, 1.0)
+        assert memory.block_output == 4096 * model.hidden * dtypes.stream
