@@ -150,7 +150,7 @@ def read_runs(store: Store) -> list[MeasuredRun]:
     requested = {run["id"]: run["steps"] for run in store.list_runtime_runs()}
     runs = []
     for run_id, plan_json, _ in store.runtime_peaks():
-        plan = Plan.from_json_text(plan_json, source=f"runtime run {run_id}: plan")
+        plan = Plan.from_run_json_text(plan_json, source=f"runtime run {run_id}: plan")
         rows = store.runtime_measurements(run_id)
         steps = sorted({row.step for row in rows})
         steady = [max(r.step_time_s for r in rows if r.step == step) for step in steps if step]

@@ -24,7 +24,6 @@ table of the 3B 8K plan, so runs 3 and 5 are in-sample for it; runs 1, 2 (where 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import tempfile
@@ -98,7 +97,7 @@ def load_runs(url: str, run_ids: list[int] | None) -> list[tuple[int, Plan, floa
 
 def load_plan(plan_json: str, run_id: int) -> Plan:
     """The run's plan; a schema-1 plan written before the newer RankTime parts loads as is."""
-    return Plan.from_dict(json.loads(plan_json), source=f"run {run_id}")
+    return Plan.from_run_json_text(plan_json, source=f"run {run_id}")
 
 
 def open_cost_model(url: str, kind: str) -> CostModel:

@@ -185,7 +185,10 @@ def cache_terms(
     if cache_bytes is None:
         zero = np.zeros_like(np.asarray(bytes_moved, dtype=np.float64))
         return (zero if zero.ndim else 0.0, zero if zero.ndim else 0.0)
-    per_call = np.divide(bytes_moved, calls)
+    moved, many = np.broadcast_arrays(
+        np.asarray(bytes_moved, dtype=np.float64), np.asarray(calls, dtype=np.float64)
+    )
+    per_call = np.divide(moved, many, out=np.zeros_like(moved), where=many > 0)  # 0 calls: 0
     terms = tuple(
         np.multiply(calls, bytes_out_of_cache(per_call, c, streaming)) for c in cache_bytes
     )

@@ -154,7 +154,11 @@ def gpu_memory_bound_features(
     if l2_bytes is None:
         beyond = np.zeros_like(np.asarray(bytes_moved, dtype=np.float64))
     else:
-        per_call = np.divide(bytes_moved, calls)
+        moved, many = np.broadcast_arrays(
+            np.asarray(bytes_moved, dtype=np.float64), np.asarray(calls, dtype=np.float64)
+        )
+        # No calls (no casts in the sharded recipe): nothing beyond L2, not 0 / 0.
+        per_call = np.divide(moved, many, out=np.zeros_like(moved), where=many > 0)
         beyond = np.multiply(calls, np.maximum(per_call - l2_bytes, 0.0))
     return (bytes_moved, calls, _scalar_or_array(beyond))
 

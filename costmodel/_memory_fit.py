@@ -69,7 +69,7 @@ def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
     points = []
     for source in sources:
         try:
-            plan = Plan.from_json_text(source.plan_json, f"runtime run {source.run_id}")
+            plan = Plan.from_run_json_text(source.plan_json, f"runtime run {source.run_id}")
         except HexiseqError:
             continue  # a plan this version cannot read: its run calibrates nothing
         modelled = estimate_memory(plan.cluster, plan.model, plan.train, plan.layout())

@@ -28,6 +28,7 @@ from hexiseq.costmodel._traffic import (
     fold_links,
     ring_senders,
 )
+from hexiseq.kernels import attention_kernel, training_dtype
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,7 @@ def _attention_times(
             backward=backward,
             q_tokens=q_tokens[groups],
             kv_tokens=kv_tokens[groups],
+            kernel=recipe_kernel(context, gpu),
         )
 
     return per_gpu_type(context, seconds_of, trailing_shape=pairs.shape[1:])
@@ -217,3 +219,11 @@ def _step_major(table: np.ndarray) -> np.ndarray:
     for first in range(0, table.shape[0], band):
         steps[:, first : first + band] = table[first : first + band].T
     return steps
+
+
+def recipe_kernel(context: SimContext, gpu: str) -> str | None:
+    """The attention kernel of the plan's runtime recipe: None (the kernel rule's) for the
+    runtime of today; the runtime before it (`autocast`) never ran cuDNN attention."""
+    if context.train.runtime_recipe == "sharded":
+        return None
+    return attention_kernel(gpu, training_dtype(gpu), context.model.head_dim, cudnn_usable=False)

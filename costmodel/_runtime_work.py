@@ -15,8 +15,10 @@ kernels they launch, from what `runtime/model.py`, `runtime/loss.py`, `runtime/_
 - inside attention the runtime transposes q, k, v to head-major, expands K/V for GQA, merges
   tile results into an fp32 online softmax and casts back (backward: fp32 dQ, dK/dV
   accumulators, the GQA reduction, casts back);
-- the loss upcasts the logits to fp32 and runs cross-entropy (log-softmax + nll) and its
-  backward;
+- the loss runs the LM head and the cross-entropy a chunk of tokens at a time
+  (`hexiseq.loss_chunks`): each chunk's logits are upcast to fp32, softmax and gradient are
+  made in place and cast back, and the weight gradient is accumulated in fp32 (`loss_work`,
+  `head_gemm_work`);
 - AdamW (torch's default foreach implementation, fp32 params, grads and states).
 
 Elements: E hidden, F MLP width, Q = heads x head_dim, K = kv_heads x head_dim, V vocabulary.
@@ -32,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hexiseq.flops import LINEAR_BACKWARD_FACTOR, head_flops_per_token
+from hexiseq.loss_chunks import loss_chunk_tokens, weight_gradient_slab_count
 from hexiseq.model import ModelSpec, TrainSpec
 
 FP32 = 4
@@ -49,18 +53,26 @@ class RuntimeDtypes:
     """The residual stream, RoPE's tables, RMSNorm's input and output."""
     casts_weights: bool
     """Autocast copies each FP32 weight to `compute` at every use."""
+    sharded: bool = True
+    """FP32 master shards gathered in `compute` (`runtime/sharding.py`), fused AdamW."""
 
 
-def runtime_dtypes(train: TrainSpec, sharded: bool) -> RuntimeDtypes:
-    """One rank: FP32 weights under autocast, so the embedding's output and the residual
-    stream stay FP32 and every linear casts its weight and its input. More ranks: FSDP2
-    gathers the weights in the compute dtype (`runtime/sharding.py`), so the stream is in the
-    compute dtype and autocast casts nothing (`tests/costmodel/test_memory_runtime.py`)."""
+def runtime_dtypes(train: TrainSpec) -> RuntimeDtypes:
+    """The `sharded` recipe (`TrainSpec.runtime_recipe`, what the runtime runs): the units
+    are gathered in the compute dtype (`runtime/sharding.py`), so the stream is in it and
+    nothing is cast per use. The former `autocast` recipe: FP32 weights under autocast, so
+    the embedding's output and the residual stream stay FP32 and every linear casts its
+    weight and its input (`tests/costmodel/test_memory_runtime.py` checks the first)."""
     compute = train.compute_dtype_bytes
-    if sharded:
-        return RuntimeDtypes(compute, compute, False)
-    return RuntimeDtypes(compute, MASTER_BYTES, compute != MASTER_BYTES)
+    if train.runtime_recipe == "sharded":
+        return RuntimeDtypes(compute, compute, False, True)
+    return RuntimeDtypes(compute, MASTER_BYTES, compute != MASTER_BYTES, False)
 
+
+FUSED_ADAMW_BYTES_PER_PARAM = 28
+"""torch.optim.AdamW(fused=True) (aten/src/ATen/native/cuda/fused_adamw_impl.cu), fp32: one
+kernel reads param, grad, exp_avg, exp_avg_sq (16) and writes param, exp_avg, exp_avg_sq
+(12). Priced at the elementwise rate: its speed on a GPU is not yet measured."""
 
 ADAMW_BYTES_PER_PARAM = 84
 """torch.optim.AdamW, foreach (torch/optim/adam.py `_multi_tensor_adam`), fp32 everything:
@@ -188,13 +200,73 @@ def weight_casts_per_layer(dtypes: RuntimeDtypes, *, backward: bool) -> Work:
     return Work(float(MASTER_BYTES + dtypes.compute), 7)
 
 
-def loss_per_token(model: ModelSpec, train: TrainSpec) -> Work:
-    """`runtime/loss.py` per token: logits upcast to fp32 (c + r per logit), log-softmax (two
-    reads, one write), its backward (nll gradient written into zeros; log-softmax backward
-    reads the gradient and the output, writes one), the upcast's backward (r + c)."""
-    c, r = train.compute_dtype_bytes, FP32
-    upcast = 0 if c == r else 2 * (c + r)
-    return Work(float((upcast + 3 * r + r + 3 * r) * model.vocab), 8)
+def head_weight_bytes(dtypes: RuntimeDtypes) -> int:
+    """Bytes per element of the LM head weight the loss gets (and of the gradient it hands
+    back): FP32 where autocast runs over FP32 weights, else the compute dtype."""
+    return MASTER_BYTES if dtypes.casts_weights else dtypes.compute
+
+
+LOSS_CHUNK_KERNELS = 17
+"""Elementwise kernels of one chunk of `runtime/loss.py` (`_chunk_loss_and_gradient` and its
+loop), casts and weight-gradient additions apart: the label mask and targets (2), row max
+and shift (2), the target's gather, exp, row sum, the row scale (2), the loss (log, sub, mul,
+sum), the softmax scale (div, mul), the one-hot's negation and scatter-add, the loss sum."""
+
+LOSS_STEP_KERNELS = 6
+"""Kernels of the chunked loss once a micro-batch: the labelled-token count (2), the weight
+gradient accumulator's zeroing, the local share's cast, the backward's two scalings."""
+
+
+def loss_chunks(model: ModelSpec, tokens: np.ndarray) -> np.ndarray:
+    """[rank] chunks the loss runs over `tokens[rank]` tokens of a micro-batch."""
+    return np.ceil(np.asarray(tokens, dtype=np.float64) / loss_chunk_tokens(model.vocab))
+
+
+def loss_work(model: ModelSpec, dtypes: RuntimeDtypes, tokens: np.ndarray) -> Work:
+    """[rank] bandwidth-bound work of `runtime/loss.py`'s chunked loss for one micro-batch
+    (its GEMMs are `head_gemm_work`; the head weight's compute-dtype copy is a cast). Per
+    logit: upcast (c + r), row max (r), shift (2r), exp (2r), row sum (r), softmax scale (2r),
+    cast back (r + c). Per chunk, with c narrower than fp32, each weight-gradient slab's
+    partial is added into the fp32 accumulator (c + 2r per weight element). Per micro-batch:
+    the accumulator zeroed (r), cast to a narrower weight's dtype (r + w); with a stream wider
+    than c, each chunk's hidden rows cast to c and their gradient back (2 (s + c) per hidden
+    element); the backward scales both gradients in place (2w and 2s)."""
+    c, s, r = dtypes.compute, dtypes.stream, FP32
+    e, v = model.hidden, model.vocab
+    w = head_weight_bytes(dtypes)
+    tokens = np.asarray(tokens, dtype=np.float64)
+    chunks = loss_chunks(model, tokens)
+    casts = 0 if c == r else 2 * (c + r)
+    per_logit = casts + 8 * r
+    slabs = weight_gradient_slab_count(v, e, c) if c < r else 0
+    accumulate = (c + 2 * r) * v * e if c < r else 0.0
+    hidden_casts = 2 * (s + c) * e if s != c else 0
+    weight = r * v * e + ((r + w) * v * e if w != r else 0.0) + 2 * w * v * e
+    per_token = per_logit * v + hidden_casts + 2 * s * e
+    kernels = chunks * (LOSS_CHUNK_KERNELS + (2 if casts else 0) + (2 if hidden_casts else 0))
+    kernels = kernels + chunks * slabs + LOSS_STEP_KERNELS + (1 if w != r else 0)
+    return Work(per_token * tokens + chunks * accumulate + weight, kernels)
+
+
+def head_gemm_work(
+    model: ModelSpec, dtypes: RuntimeDtypes, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[rank] (FLOPs, operand bytes, GEMM calls) of the LM head inside the chunked loss, one
+    micro-batch. Per chunk of n tokens three GEMMs in the compute dtype: logits (n x E by
+    E x V), the hidden gradient (n x V by V x E) and the weight gradient (V x n by n x E):
+    the forward plus the 2x backward `hexiseq.flops` counts for the head, no more. Each reads
+    the whole weight (or writes its gradient) once per chunk; the weight gradient goes into
+    the fp32 accumulator in place (read and written) in fp32, or slab by slab through a
+    compute-dtype partial."""
+    c, r = dtypes.compute, FP32
+    e, v = model.hidden, model.vocab
+    tokens = np.asarray(tokens, dtype=np.float64)
+    chunks = loss_chunks(model, tokens)
+    flops = (1 + LINEAR_BACKWARD_FACTOR) * head_flops_per_token(model) * tokens
+    gradient_out = 2 * r if c >= r else c
+    operand_bytes = c * 3 * tokens * (e + v) + chunks * v * e * (2 * c + gradient_out)
+    slabs = weight_gradient_slab_count(v, e, c) if c < r else 1
+    return flops, operand_bytes, chunks * (2 + slabs)
 
 
 def head_elementwise_per_token(model: ModelSpec, dtypes: RuntimeDtypes) -> Work:
@@ -216,6 +288,8 @@ def matmul_params_per_layer(model: ModelSpec) -> int:
     return model.params_per_layer - 2 * model.hidden
 
 
-def adamw_launches(params: np.ndarray) -> np.ndarray:
-    """[rank] kernels of one foreach AdamW step over `params[rank]` fp32 parameters."""
-    return ADAMW_FOREACH_OPS * np.maximum(1.0, np.ceil(params / FOREACH_CHUNK_ELEMENTS))
+def adamw_launches(params: np.ndarray, fused: bool = False) -> np.ndarray:
+    """[rank] kernels of one AdamW step over `params[rank]` fp32 parameters: the fused
+    kernel, or the foreach implementation's eight, per multi_tensor_apply chunk."""
+    ops = 1 if fused else ADAMW_FOREACH_OPS
+    return ops * np.maximum(1.0, np.ceil(params / FOREACH_CHUNK_ELEMENTS))

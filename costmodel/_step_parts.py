@@ -18,13 +18,15 @@ from hexiseq.costmodel._runtime_work import (
     ADAMW_BYTES_PER_PARAM,
     ADAMW_MEASURED_SLOWDOWN,
     FP32,
+    FUSED_ADAMW_BYTES_PER_PARAM,
     GRAD_ACCUMULATE_BYTES_PER_PARAM,
     adamw_launches,
     block_activation_casts_per_token,
     block_elementwise_per_token,
     embedding_gradient_bytes,
     head_elementwise_per_token,
-    loss_per_token,
+    head_gemm_work,
+    loss_work,
     matmul_params_per_layer,
     runtime_dtypes,
     weight_casts_per_layer,
@@ -50,18 +52,24 @@ def bandwidth_parts(context: SimContext, key: str, bytes_by_rank: np.ndarray, ke
 
 
 def gemm_parts(
-    context: SimContext, flops_by_rank: np.ndarray, bytes_by_rank: np.ndarray, calls: int
+    context: SimContext,
+    flops_by_rank: np.ndarray,
+    bytes_by_rank: np.ndarray,
+    calls: int | np.ndarray,
 ) -> Parts:
-    """{"linear_s": work, "launch_s": overhead} of `calls` GEMMs per rank."""
+    """{"linear_s": work, "launch_s": overhead} of `calls` GEMMs per rank (or [rank])."""
     cost = context.cost
 
-    def seconds(gpu: str, ranks: np.ndarray | slice, count: int) -> np.ndarray:
+    def seconds(gpu: str, ranks: np.ndarray | slice, count) -> np.ndarray:
         return cost.gemm_time_s(
             gpu, flops_by_rank[ranks], bytes_moved=bytes_by_rank[ranks], calls=count
         )
 
     return _split(
-        context, "linear_s", lambda g, r: seconds(g, r, calls), lambda g, r: seconds(g, r, 1)
+        context,
+        "linear_s",
+        lambda g, r: seconds(g, r, _at(calls, r)),
+        lambda g, r: seconds(g, r, 1),
     )
 
 
@@ -90,7 +98,7 @@ def layer_bandwidth_parts(
     """One layer's elementwise kernels and casts, forward or backward, per rank."""
     tokens = context.tokens.astype(np.float64)
     model = context.model
-    dtypes = runtime_dtypes(context.train, sharded=context.layout.world_size > 1)
+    dtypes = runtime_dtypes(context.train)
     elementwise = block_elementwise_per_token(model, dtypes, backward=backward)
     activation_casts = block_activation_casts_per_token(model, dtypes, backward=backward)
     weight_casts = weight_casts_per_layer(dtypes, backward=backward)
@@ -107,64 +115,71 @@ def layer_bandwidth_parts(
 
 
 def _cast_params(context: SimContext, fractions: Sequence[float], backward: bool) -> np.ndarray:
-    """[rank] matmul weights of a block whose fp32 copy one pass casts. One rank: the whole
-    block (autocast casts every use). Sharded (FSDP2 over >1 rank, bf16 gathers): the forward
-    casts the rank's shard before gathering it; the backward casts the whole block's bf16
-    gradient to fp32 for the fp32 reduce-scatter (`runtime/sharding.py`)."""
+    """[rank] matmul weights of a block whose copy one pass casts. `autocast` recipe: the
+    whole block (every use casts). `sharded` (`runtime/sharding.py`): the forward casts the
+    rank's shard before gathering it (the checkpoint's recompute is a forward); the backward
+    copies the whole block's gradient into the FP32 reduce-scatter buffer and, without
+    checkpointing, casts the shard again to gather the block back."""
     params = float(matmul_params_per_layer(context.model))
     world = context.layout.world_size
-    if world == 1 or backward:
+    if not runtime_dtypes(context.train).sharded:
         return np.full(world, params)
-    return np.asarray(fractions, dtype=np.float64) * params
+    shards = np.asarray(fractions, dtype=np.float64) * params
+    if not backward:
+        return shards
+    regather = 0.0 if context.train.activation_checkpointing else 1.0
+    return params + regather * shards
 
 
 def head_and_loss_parts(context: SimContext, fractions: Sequence[float]) -> Ledger:
-    """Per micro-batch: the LM head's three GEMMs, the loss kernels, the embedding and final
-    norm's elementwise work, and the head weight's casts, per rank."""
+    """Per micro-batch: the LM head's GEMMs and the loss kernels (both inside the chunked
+    loss, `runtime/loss.py`: three GEMMs a chunk), the embedding and final norm's
+    elementwise work, and the head weight's cast, per rank."""
     model, train = context.model, context.train
     tokens = context.tokens.astype(np.float64)
     element = train.compute_dtype_bytes
-    head_flops = 2.0 * model.hidden * model.vocab * tokens
     head_matrix = float(model.vocab * model.hidden)
-    head_bytes = element * (tokens * model.hidden + head_matrix + tokens * model.vocab)
-    dtypes = runtime_dtypes(train, sharded=context.layout.world_size > 1)
-    loss = loss_per_token(model, train)
+    dtypes = runtime_dtypes(train)
+    head_flops, head_bytes, head_calls = head_gemm_work(model, dtypes, tokens)
+    loss = loss_work(model, dtypes, tokens)
     head = head_elementwise_per_token(model, dtypes)
-    # Autocast casts the FP32 head weight for the forward and its gradient back; FSDP2 gathers
-    # it in the compute dtype (its shard's cast is small) and reduces its gradient in FP32.
-    casts = 2.0 * (element + FP32) * head_matrix if dtypes.casts_weights else 0.0
+    # The loss copies an FP32 head weight to the compute dtype once and accumulates its
+    # gradient in FP32 (no cast back); sharded, the weight comes gathered in the compute dtype.
+    casts = (element + FP32) * head_matrix if dtypes.casts_weights else 0.0
     shares = np.asarray(fractions, dtype=np.float64)
     ledger = Ledger(context.layout.world_size)
     for parts in (
-        # Forward, input gradient and weight gradient: three GEMMs of the same size.
-        _times(gemm_parts(context, head_flops, head_bytes, 1), 3.0),
-        bandwidth_parts(context, "loss_s", loss.bytes * tokens, loss.kernels),
+        gemm_parts(context, head_flops, head_bytes, head_calls),
+        bandwidth_parts(context, "loss_s", loss.bytes, loss.kernels),
         bandwidth_parts(
             context,
             "elementwise_s",
             head.bytes * tokens + shares * embedding_gradient_bytes(model),
             head.kernels + 2,
         ),
-        bandwidth_parts(context, "cast_s", np.full(len(tokens), casts), 2 if casts else 0),
+        bandwidth_parts(context, "cast_s", np.full(len(tokens), casts), 1 if casts else 0),
     ):
         for key, seconds in parts.items():
             ledger.add(key, seconds)
     return ledger
 
 
-def _times(parts: Parts, factor: float) -> Parts:
-    return {key: factor * seconds for key, seconds in parts.items()}
-
-
 def optimizer_parts(context: SimContext, fractions: Sequence[float]) -> Ledger:
     """Per step: AdamW on each rank's shard of the parameters, and the gradient accumulation
     of micro-batches after the first (both bandwidth-bound). AdamW's bytes are weighted by its
-    measured slowdown against plain elementwise kernels (`ADAMW_MEASURED_SLOWDOWN`)."""
+    measured slowdown against plain elementwise kernels (`ADAMW_MEASURED_SLOWDOWN`) in the
+    `autocast` recipe (foreach); the fused AdamW of the `sharded` one at the elementwise rate."""
     params = np.asarray(fractions, dtype=np.float64) * context.model.params
     accumulations = context.train.micro_batches - 1
-    adam = ADAMW_MEASURED_SLOWDOWN * ADAMW_BYTES_PER_PARAM * params
+    fused = runtime_dtypes(context.train).sharded
+    if fused:  # one flat master shard per unit: one accumulation kernel each
+        adam = FUSED_ADAMW_BYTES_PER_PARAM * params
+        tensors = context.model.layers + 1
+    else:
+        adam = ADAMW_MEASURED_SLOWDOWN * ADAMW_BYTES_PER_PARAM * params
+        tensors = _parameter_tensors(context.model)
     accumulate = accumulations * GRAD_ACCUMULATE_BYTES_PER_PARAM * params
-    launches = adamw_launches(params) + accumulations * _parameter_tensors(context.model)
+    launches = adamw_launches(params, fused) + accumulations * tensors
     ledger = Ledger(context.layout.world_size)
     for key, seconds in bandwidth_parts(
         context, "optimizer_s", adam + accumulate, launches

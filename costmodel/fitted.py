@@ -26,6 +26,14 @@ Choices, and why:
   (`--cost-model fitted`) uses every fit anyway, and its label says which it forced.
 - GPU fits predict with the GPU features they were fitted on (`_gpu_features`: SM waves,
   FlashAttention-2 tiles); CPU fits with the CPU's (`_features`).
+- Attention is priced for the kernel the runtime runs (`hexiseq.kernels.attention_kernel` at
+  the model's head size), as the datasheet model prices it. A fit of another kernel is not
+  used for it: attention falls back to the datasheet at that kernel's efficiency, and the
+  label says so ("attention_fwd, attention_bwd: datasheet — profiled flash, the runtime runs
+  cudnn"). E.g. the H100 profiles taken before the runtime called cuDNN attention time the
+  flash kernel, 1.6-1.8x slower than cuDNN's (gpus.yaml, H100-SXM, measured on an H100): a
+  fit of them would overstate the attention the runtime now runs. Re-profiling the device
+  replaces them.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ from hexiseq.costmodel._gpu_features import (
 from hexiseq.costmodel.base import FloatOrArray
 from hexiseq.costmodel.datasheet import DatasheetCostModel, declared_link_parameters
 from hexiseq.costmodel.memory import MemoryCalibration
+from hexiseq.kernels import attention_kernel, canonical_kernel_name, training_dtype
 from hexiseq.profiles import COMPUTE_OPS
 
 LINK_OP_PREFERENCE = ("p2p", "all_to_all", "all_gather", "reduce_scatter")
@@ -113,15 +122,18 @@ class FittedCostModel:
         (not profiled, or their fit missed its goal: "attention_fwd: datasheet — fit missed
         its goal, 7.1 % > 5 %"; forced: "attention_fwd forced although it missed its goal,
         ..."); the datasheet model's label for a type with no fit used."""
-        ops = [op for op in COMPUTE_OPS if (gpu, op) in self._ops]
+        other_kernel = [op for op in COMPUTE_OPS if self._profiled_other_kernel(gpu, op)]
+        ops = [op for op in COMPUTE_OPS if (gpu, op) in self._ops and op not in other_kernel]
         missed = [op for op in COMPUTE_OPS if (gpu, op) in self._missed]
-        notes = [self._missed_note(gpu, op) for op in missed] + [self._memory_note(gpu)]
+        notes = [self._missed_note(gpu, op) for op in missed]
+        notes += [self._kernel_note(gpu, other_kernel), self._memory_note(gpu)]
         suffix = "".join(f"; {note}" for note in notes if note)
         if not ops:
             return self.fallback.label(gpu) + suffix
         runs = sorted({run for op in ops for run in self._ops[gpu, op].source_runs})
         label = f"fitted ({_describe_runs(self.document, runs)})"
-        missing = [op for op in COMPUTE_OPS if op not in ops and op not in missed]
+        left = set(missed) | set(other_kernel)
+        missing = [op for op in COMPUTE_OPS if op not in ops and op not in left]
         return label + (f"; datasheet for {', '.join(missing)}" if missing else "") + suffix
 
     def _missed_note(self, gpu: str, op: str) -> str:
@@ -130,6 +142,23 @@ class FittedCostModel:
         if self.forced:
             return f"{op}: fit forced by --cost-model fitted though it missed its goal, {numbers}"
         return f"{op}: datasheet — fit missed its goal, {numbers}"
+
+    def _profiled_other_kernel(self, gpu: str, op: str) -> bool:
+        """Whether `gpu`'s fit of attention `op` timed another kernel than the runtime runs
+        there (at the catalog's reference head size, 128)."""
+        fit = self._ops.get((gpu, op))
+        return (
+            fit is not None
+            and op.startswith("attention")
+            and not _same_kernel(_runtime_kernel(gpu, 128), fit.attention_kernel)
+        )
+
+    def _kernel_note(self, gpu: str, ops: list[str]) -> str:
+        if not ops:
+            return ""
+        profiled = canonical_kernel_name(str(self._ops[gpu, ops[0]].attention_kernel))
+        runs = _runtime_kernel(gpu, 128)
+        return f"{', '.join(ops)}: datasheet — profiled {profiled}, the runtime runs {runs}"
 
     def _memory_note(self, gpu: str) -> str:
         calibration = self.memory_calibration(gpu)
@@ -170,9 +199,11 @@ class FittedCostModel:
         kernel: str | None = None,
     ) -> FloatOrArray:
         """The fit of `gpu`'s attention; the datasheet model where there is none, or where
-        `kernel` (`hexiseq.kernels`; None: the one profiled) is not the kernel profiled."""
+        `kernel` (`hexiseq.kernels`; None: the one the runtime runs on `gpu` at `head_dim`) is
+        not the kernel profiled."""
         fit = self._ops.get((gpu, "attention_bwd" if backward else "attention_fwd"))
-        if fit is None or not _same_kernel(kernel, fit.attention_kernel):
+        asked = kernel or _runtime_kernel(gpu, head_dim)
+        if fit is None or not _same_kernel(asked, fit.attention_kernel):
             return self.fallback.attention_time_s(
                 gpu, pairs, heads, head_dim, backward=backward, q_tokens=q_tokens,
                 kv_tokens=kv_tokens, calls=calls, kernel=kernel,
@@ -285,6 +316,11 @@ def _combine(fit: OpFit, features: Sequence[FloatOrArray]) -> FloatOrArray:
 
 _LEGACY_KERNEL_NAMES = {"cuda_flash": "flash", "cuda_efficient": "efficient"}
 """Profiler names of rows written before `hexiseq.kernels` named the kernels."""
+
+
+def _runtime_kernel(gpu: str, head_dim: int) -> str:
+    """The attention kernel the runtime runs on `gpu` in its training dtype."""
+    return attention_kernel(gpu, training_dtype(gpu), head_dim)
 
 
 def _same_kernel(asked: str | None, profiled: str | None) -> bool:

@@ -3,27 +3,33 @@
 Every term is a buffer `hexiseq.runtime` really allocates, counted from its code (the shapes and
 dtypes below) and checked against what it allocates (`tests/costmodel/test_memory_runtime.py`
 runs the real step on CPU under `hexiseq.runtime.allocations.AllocationTracker`, which counts
-every live storage). The peak is the largest of five moments of a steady step (step >= 1, when
+every live storage). The peak is the largest of six moments of a steady step (step >= 1, when
 the AdamW states exist):
 
 - **forward end**: parameters, AdamW states, the residual stream (the embedding output and
   every block's output: the activation checkpoints), every layer's saved activations when not
-  checkpointing, the head's saved tensors, the logits, and autocast's cache of compute-dtype
-  weight copies (freed when the forward's autocast region ends);
-- **loss backward**: the same without the cache, plus the cross-entropy's FP32 buffers: the
-  log-softmax output it saved, the gradient of that output and the gradient of the logits
-  (12 bytes per logit; `runtime/loss.py` upcasts all logits to FP32);
+  checkpointing, the final norm's saved tensors and its output (the hidden states the loss
+  takes), and autocast's cache of compute-dtype weight copies (freed when the forward's
+  autocast region ends);
+- **loss**: the same without the cache, plus what `runtime/loss.py`'s chunked loss allocates
+  while it runs the LM head and the cross-entropy forward and backward, one chunk of tokens
+  at a time (`hexiseq.loss_chunks`): the hidden states' gradient and the weight's FP32
+  gradient accumulator, a compute-dtype copy of an FP32 head weight, and one chunk's logits
+  with their FP32 upcast and gradient (no logits of all tokens ever exist);
+- **head backward** (the final norm's, first in the backward): the forward's tensors, the
+  head weight's gradient the loss left and the norm's FP32 gradient temporaries;
 - **first layer backward** (the last block, with every activation still held) and **last
   layer backward** (block 0, with every gradient): a layer's activations (recomputed under
   checkpointing) plus the larger of its MLP-phase and attention-phase transients;
-- **optimizer**: parameters, gradients, AdamW states and foreach AdamW's one FP32 temporary
-  the size of the parameters (`torch._foreach_sqrt` of the second moments), while the step's
-  logits are still referenced by the train loop.
+- **optimizer**: parameters, gradients and AdamW states (fused AdamW makes no temporary; the
+  former recipe's foreach AdamW one FP32 temporary the size of the parameters), while the
+  step's hidden states are still referenced by the train loop.
 
-Dtypes follow the runtime: parameters, gradients and AdamW states in FP32; with one rank the
-weights stay FP32 and autocast casts each linear's weight to the compute dtype at every use,
-and the residual stream is FP32 (the embedding is not autocast); with more ranks FSDP2 gathers
-the weights in the compute dtype, so the stream is in the compute dtype too.
+Dtypes follow the runtime's recipe (`TrainSpec.runtime_recipe`): parameters, gradients and
+AdamW states in FP32; `sharded` (what the runtime runs, on any number of ranks) gathers the
+weights in the compute dtype, so the residual stream is in the compute dtype too; the former
+`autocast` recipe kept FP32 weights, autocast cast each linear's weight at every use, and the
+stream stayed FP32 (the embedding is not autocast).
 
 On CUDA the peak is what `torch.cuda.max_memory_allocated` reports plus kernel workspaces the
 CPU does not have; outside it, and still on the card, are the CUDA context, NCCL's buffers and
@@ -41,13 +47,18 @@ from dataclasses import asdict, dataclass
 
 from hexiseq.catalog import GiB, MiB
 from hexiseq.cluster import Cluster
-from hexiseq.costmodel._runtime_work import MASTER_BYTES, RuntimeDtypes, runtime_dtypes
+from hexiseq.costmodel._runtime_work import (
+    MASTER_BYTES,
+    RuntimeDtypes,
+    head_weight_bytes,
+    runtime_dtypes,
+)
 from hexiseq.layout import AttentionLayout
+from hexiseq.loss_chunks import loss_chunk_tokens, weight_gradient_slab_rows
 from hexiseq.model import ModelSpec, TrainSpec
 
 MEMORY_LIMIT_FRACTION = 0.95
 FP32 = 4
-LOSS_BYTES_PER_LOGIT = 12  # FP32 log-softmax output (saved) + its gradient + the logits' gradient
 # CUDA kernels' workspaces inside `max_memory_allocated` that a CPU run does not allocate:
 # cuBLAS/cuBLASLt workspaces (32 MiB each on Hopper, PyTorch `CublasHandlePool.cpp`) and the
 # flash kernels' small buffers. Checked against the shared H100 run of `small` at 32K tokens
@@ -81,7 +92,8 @@ class MemoryCalibration:
 
 PHASES = (
     "forward_end",
-    "loss_backward",
+    "loss",
+    "head_backward",
     "first_layer_backward:mlp",
     "first_layer_backward:attention",
     "last_layer_backward:mlp",
@@ -96,7 +108,7 @@ class MemoryBreakdown:
     """One rank's memory by term, in bytes; `phase_bytes` adds them up per moment of the step.
 
     States (this rank's shard): `parameters`, `gradients`, `optimizer_states`;
-    `gathered_parameters`: FSDP2's root unit gathered in the compute dtype (forward and
+    `gathered_parameters`: the root unit gathered in the compute dtype (forward and
     backward); `sharding_backward_buffers`: a block's gathered weights and its gradients'
     reduce-scatter buffers (backward only).
     Activations: `embedding_output` (the stream's first tensor and RoPE's tables),
@@ -104,8 +116,11 @@ class MemoryBreakdown:
     `saved_activations` (every layer's, without checkpointing), `layer_activations` (one
     layer's, recomputed under checkpointing; `mlp_activations` is its part freed before the
     attention backward), `weight_cache` (autocast's copies of every weight, forward only),
-    `head_activations`, `logits`.
-    Transients: `loss_transients`, `head_gradients`, `mlp_backward_transients`,
+    `head_activations` (the final norm's saved tensors), `logits` (the hidden states the
+    loss takes: the train loop holds them to the step's end; no logits outlive the loss).
+    Transients: `loss_transients` (the chunked loss's peak), `head_gradients` (the head
+    weight's gradient the loss leaves for the backward), `head_backward_transients` (the
+    final norm's backward), `mlp_backward_transients`,
     `attention_backward_transients`, `ring_buffers`, `optimizer_transients`;
     `pending_gradients`: the gradients not yet made when block 0's MLP backward peaks.
     Device: `kernel_workspaces` (allocated); `reserve` (context, not allocated) and
@@ -127,6 +142,7 @@ class MemoryBreakdown:
     logits: int
     loss_transients: int
     head_gradients: int
+    head_backward_transients: int
     mlp_backward_transients: int
     attention_backward_transients: int
     ring_buffers: int
@@ -162,7 +178,8 @@ class MemoryBreakdown:
         attention = self.attention_backward_transients + self.ring_buffers - self.mlp_activations
         return {
             "forward_end": forward + self.weight_cache,
-            "loss_backward": forward + self.loss_transients,
+            "loss": forward + self.loss_transients,
+            "head_backward": forward + self.head_gradients + self.head_backward_transients,
             "first_layer_backward:mlp": first + mlp,
             "first_layer_backward:attention": first + attention,
             "last_layer_backward:mlp": last + mlp,
@@ -237,8 +254,8 @@ def even_state_fractions(world_size: int) -> list[float]:
 @dataclass(frozen=True, slots=True)
 class RankShape:
     """What a rank's memory depends on: its tokens, its group's segment, its heads and K/V
-    heads, the largest ring block that visits it (0 with one group), whether it is a CPU,
-    and whether model states are sharded (FSDP2 runs with more than one rank)."""
+    heads, the largest ring block that visits it (0 with one group) and whether it is a
+    CPU. (How the weights are held is the train spec's `runtime_recipe`.)"""
 
     tokens: int
     segment: int
@@ -246,7 +263,6 @@ class RankShape:
     kv_heads: int
     largest_block: int
     is_cpu: bool = False
-    sharded: bool = False
 
 
 def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
@@ -267,7 +283,6 @@ def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
                 kv_heads=high - low,
                 largest_block=largest,
                 is_cpu=device.gpu == "cpu",
-                sharded=layout.world_size > 1,
             )
         )
     return shapes
@@ -320,7 +335,7 @@ def rank_memory(
 def _modelled_memory(
     model: ModelSpec, train: TrainSpec, shape: RankShape, state_fraction: float
 ) -> MemoryBreakdown:
-    dtypes = runtime_dtypes(train, shape.sharded)
+    dtypes = runtime_dtypes(train)
     layer = layer_activation_bytes(model, dtypes, shape)
     cuda = not shape.is_cpu
     return MemoryBreakdown(
@@ -330,7 +345,7 @@ def _modelled_memory(
             model.params * (train.bytes_per_param_state - 2 * MASTER_BYTES) * state_fraction
         ),
         gathered_parameters=gathered_parameter_bytes(model, dtypes, shape),
-        sharding_backward_buffers=sharding_backward_bytes(model, dtypes, shape, state_fraction),
+        sharding_backward_buffers=sharding_backward_bytes(model, dtypes, shape),
         embedding_output=embedding_output_bytes(model, dtypes, shape.tokens),
         checkpoints=model.layers * shape.tokens * model.hidden * dtypes.stream,
         block_output=shape.tokens * model.hidden * dtypes.stream,
@@ -339,14 +354,15 @@ def _modelled_memory(
         mlp_activations=mlp_activation_bytes(model, dtypes, shape.tokens),
         weight_cache=weight_cache_bytes(model, dtypes, train.activation_checkpointing),
         head_activations=head_activation_bytes(model, dtypes, shape.tokens),
-        logits=shape.tokens * model.vocab * dtypes.compute,
-        loss_transients=shape.tokens * model.vocab * LOSS_BYTES_PER_LOGIT,
-        head_gradients=model.vocab * model.hidden * MASTER_BYTES,
+        logits=shape.tokens * model.hidden * dtypes.stream,
+        loss_transients=loss_transient_bytes(model, train, dtypes, shape.tokens),
+        head_gradients=model.vocab * model.hidden * head_weight_bytes(dtypes),
+        head_backward_transients=head_backward_bytes(model, shape.tokens),
         mlp_backward_transients=mlp_backward_bytes(model, dtypes, shape.tokens),
         attention_backward_transients=attention_backward_bytes(model, dtypes, shape, cuda),
         ring_buffers=ring_buffer_bytes(model, dtypes, shape),
         pending_gradients=int(pending_gradient_params(model) * MASTER_BYTES * state_fraction),
-        optimizer_transients=int(model.params * MASTER_BYTES * state_fraction),
+        optimizer_transients=optimizer_transient_bytes(model, dtypes, state_fraction),
         kernel_workspaces=CUDA_WORKSPACE_BYTES if cuda else 0,
         reserve=CUDA_CONTEXT_BYTES if cuda else CPU_RESERVE_BYTES,
         fragmentation=CUDA_FRAGMENTATION_FRACTION if cuda else 0.0,
@@ -364,26 +380,34 @@ def pending_gradient_params(model: ModelSpec) -> int:
     return model.params_per_layer - model.hidden * model.ffn_hidden + embedding
 
 
+def optimizer_transient_bytes(
+    model: ModelSpec, dtypes: RuntimeDtypes, state_fraction: float
+) -> int:
+    """AdamW's temporaries: none for the fused kernel the runtime runs; the former recipe's
+    foreach AdamW made one FP32 parameter-sized temporary (sqrt of the second moment)."""
+    if dtypes.sharded:
+        return 0
+    return int(model.params * MASTER_BYTES * state_fraction)
+
+
 def gathered_parameter_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape) -> int:
-    """FSDP2's root unit (embedding, final norm, LM head) gathered in the compute dtype
-    (`runtime/sharding.py`): FSDP2 does not reshard the root after the forward, so it stays
-    gathered until the backward ends. Nothing when one rank holds everything."""
-    if not shape.sharded:
+    """The root unit (embedding, final norm, LM head) gathered in the compute dtype
+    (`runtime/sharding.py`): it stays gathered from the forward until its backward, the
+    last. Nothing in the former one-rank recipe (whole FP32 weights)."""
+    if not dtypes.sharded:
         return 0
     return (model.embedding_params + model.head_params) * dtypes.compute
 
 
-def sharding_backward_bytes(
-    model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape, state_fraction: float
-) -> int:
-    """FSDP2's buffers while a block's backward runs: the block's weights gathered in the
-    compute dtype, the previous block's unsharded gradients in FP32 on their way into the
-    reduce-scatter (the runtime reduces in FP32), and two FP32 gradient shards (reduce
-    output and accumulation). A block's forward gathers its weights only while it runs."""
-    if not shape.sharded:
+def sharding_backward_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape) -> int:
+    """The sharding's buffers while a block's backward runs (`runtime/sharding.py`): the
+    block's weights gathered again in the compute dtype and their gradients, in it, as the
+    layer makes them. (The block's FP32 gradient buffer and reduce-scatter output come
+    after its activations are gone, and are smaller than them.) A block's forward gathers
+    its weights only while it runs."""
+    if not dtypes.sharded:
         return 0
-    block = model.params_per_layer
-    return int(block * (dtypes.compute + FP32) + 2 * block * FP32 * state_fraction)
+    return int(model.params_per_layer * 2 * dtypes.compute)
 
 
 def embedding_output_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
@@ -459,12 +483,64 @@ def weight_cache_bytes(model: ModelSpec, dtypes: RuntimeDtypes, checkpointing: b
 
 
 def head_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
-    """The final norm's saved tensors, its output in the compute dtype (saved by the LM head)
-    and, under autocast, the LM head weight's compute-dtype copy."""
-    norm = _norm_saved_bytes(model, dtypes, tokens)
-    output = tokens * model.hidden * dtypes.compute
-    weight = model.vocab * model.hidden * dtypes.compute if dtypes.casts_weights else 0
-    return norm + output + weight
+    """The final norm's saved tensors, less the last block's output where the stream is
+    narrower than FP32: the norm saves its FP32 upcast instead, and nothing else keeps the
+    output (`checkpoints` counts every block's). The norm's output (the hidden states) is
+    the `logits` term: the chunked loss saves nothing of it, the train loop holds it."""
+    freed = tokens * model.hidden * dtypes.stream if dtypes.stream != FP32 else 0
+    return _norm_saved_bytes(model, dtypes, tokens) - freed
+
+
+def head_backward_bytes(model: ModelSpec, tokens: int) -> int:
+    """The final norm's backward at its peak (the gradient of x^2 in the mean), above its
+    saved tensors: five FP32 T x E gradients and temporaries (input gradient by the scale
+    path, the mean's expanded gradient, x, 2x, their product), its FP32 normalized input
+    freed by then; whatever the stream's dtype, the norm computes in FP32."""
+    return 4 * tokens * model.hidden * FP32
+
+
+def modelled_loss_chunk_tokens(model: ModelSpec, train: TrainSpec, tokens: int) -> int:
+    """Tokens of the loss's largest chunk on a rank of `tokens` tokens, kept affine in
+    `tokens` (the planner's MILP needs it): a sequence no longer than one chunk
+    (`hexiseq.loss_chunks.loss_chunk_tokens`) is one chunk on every rank, exactly; a longer
+    one is counted a full chunk on every rank (exact where a rank holds a chunk or more, an
+    upper bound of at most one chunk where it holds less)."""
+    chunk = loss_chunk_tokens(model.vocab)
+    return tokens if train.seq_len <= chunk else chunk
+
+
+def loss_chunk_bytes(model: ModelSpec, dtypes: RuntimeDtypes, chunk_tokens: int) -> int:
+    """One chunk's peak in the chunked loss (`runtime/loss.py` `_ChunkedHeadLoss`). FP32
+    compute: its logits, then softmax and gradient made in place. Narrower: the logits and
+    their FP32 upcast, then the upcast and the gradient cast back; then the gradient with the
+    hidden gradient's compute-dtype rows (when the stream is wider) or a weight-gradient slab
+    (`hexiseq.loss_chunks.weight_gradient_slab_rows`); throughout, the chunk's hidden states
+    cast to the compute dtype when the stream is wider."""
+    c, e, v = dtypes.compute, model.hidden, model.vocab
+    if c >= FP32:
+        return chunk_tokens * v * c
+    upcast = chunk_tokens * v * (c + FP32)
+    wider_stream = dtypes.stream != c
+    hidden_rows = chunk_tokens * e * c if wider_stream else 0
+    slab = weight_gradient_slab_rows(v, e, c) * e * c
+    return hidden_rows + max(upcast, chunk_tokens * v * c + max(hidden_rows, slab))
+
+
+def loss_transient_bytes(
+    model: ModelSpec, train: TrainSpec, dtypes: RuntimeDtypes, tokens: int
+) -> int:
+    """The chunked loss's peak above what the forward left: the hidden states' gradient
+    (stream dtype) and the head weight's FP32 gradient accumulator throughout; during the
+    chunks a compute-dtype copy of an FP32 head weight and one chunk (`loss_chunk_bytes`);
+    at the end, when the weight is narrower than FP32, the gradient cast to its dtype."""
+    e, v = model.hidden, model.vocab
+    held = tokens * e * dtypes.stream + v * e * FP32
+    weight_copy = v * e * dtypes.compute if dtypes.casts_weights else 0
+    chunk_tokens = modelled_loss_chunk_tokens(model, train, tokens)
+    chunks = weight_copy + loss_chunk_bytes(model, dtypes, chunk_tokens)
+    weight_bytes = head_weight_bytes(dtypes)
+    cast = v * e * weight_bytes if weight_bytes != FP32 else 0
+    return held + max(chunks, cast)
 
 
 def mlp_backward_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:

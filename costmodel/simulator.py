@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hexiseq.catalog import gpu_spec
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel._all_to_all import all_to_all, all_to_all_durations
 from hexiseq.costmodel._ring import RingTables, build_ring_tables, ring_pass
@@ -268,7 +267,9 @@ def _prediction(
     memory = estimate_memory(
         context.cluster, context.model, context.train, context.layout, fractions, calibrations
     )
-    capacity = tuple(gpu_spec(gpu).memory_bytes for gpu in context.gpus)
+    # By rank, not by GPU type: a CPU test node may set its own `memory_GiB` (Cluster.gpu).
+    cluster = context.cluster
+    capacity = tuple(cluster.gpu(rank).memory_bytes for rank in range(cluster.world_size))
     columns = [ledger.parts[key].tolist() for key in BREAKDOWN_KEYS]
     rank_times = tuple(RankTime(**dict(zip(BREAKDOWN_KEYS, parts))) for parts in zip(*columns))
     labels = {gpu: context.cost.label(gpu) for gpu in context.ranks_by_gpu}

@@ -1,5 +1,14 @@
-"""The store's runtime tables: runs of a plan by `hexiseq.runtime.train` and each rank's
-measured steps (`Store` gets these methods from `RuntimeTables`)."""
+"""The store's runtime tables: runs of a plan by `hexiseq.runtime.train`, each rank's
+measured steps, and the attention kernels each rank ran in them (`Store` gets these methods
+from `RuntimeTables`).
+
+The kernels have a table of their own (`runtime_attention_kernels`) rather than a column of
+`runtime_measurements`: `Store.open` adds a missing table to an existing store, while a new
+column of an existing table would need a schema migration (`hexiseq.store`); so a store
+written before keeps opening with every row, in this hexiseq and in older ones. Its runs have
+no kernel rows (reported as ""): runs of that time ran torch's flash kernel on CUDA and
+`cpu_flash` on CPU.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ from sqlalchemy.orm import Mapped, mapped_column
 
 from hexiseq._store_base import StoreBase, check_optional_metric, check_plan_fields, utc_now
 from hexiseq.errors import InputError
+from hexiseq.kernels import ATTENTION_KERNELS, kernels_label
 
 
 class RuntimeRunRow(StoreBase):
@@ -69,6 +79,19 @@ class RuntimeMeasurementRow(StoreBase):
     """"none", or e.g. "emulated 2x (compute padded by sleeping)"."""
 
 
+class RuntimeKernelRow(StoreBase):
+    """The attention kernels one rank ran in one measured step of a runtime run."""
+
+    __tablename__ = "runtime_attention_kernels"
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runtime_runs.id"), index=True)
+    rank: Mapped[int]
+    step: Mapped[int]
+    attention_kernels: Mapped[str] = mapped_column(String)
+    """`hexiseq.kernels` names, sorted and comma-joined, e.g. "cudnn" or "cudnn,flash"."""
+
+
 MEMORY_MEASURES = ("cuda_max_allocated", "cpu_max_rss")
 _MEASUREMENT_FIELDS = (
     "rank",
@@ -100,6 +123,10 @@ class RuntimeMeasurement:
     loss: float
     emulation_slowdown: float
     emulation_label: str
+    attention_kernels: str = ""
+    """The attention kernels this rank really ran in the step (`hexiseq.kernels` names, sorted
+    and comma-joined, as `hexiseq.runtime.kernels.take_used_kernels` gives them); "" when not
+    recorded (runs stored before kernels were, or a step that ran no attention)."""
 
 
 class RuntimeTables:
@@ -149,8 +176,8 @@ class RuntimeTables:
     ) -> None:
         """Append measurements to run `run_id`, all in one transaction.
 
-        Raises InputError for an unknown run, an unknown memory measure or a time or memory
-        that is negative, NaN or infinite.
+        Raises InputError for an unknown run, an unknown memory measure, a time or memory
+        that is negative, NaN or infinite, or attention kernels `hexiseq.kernels` does not name.
         """
         for measurement in measurements:
             _check_measurement(measurement)
@@ -163,15 +190,28 @@ class RuntimeTables:
                 )
                 for m in measurements
             )
+            session.add_all(
+                RuntimeKernelRow(
+                    run_id=run_id, rank=m.rank, step=m.step, attention_kernels=m.attention_kernels
+                )
+                for m in measurements
+                if m.attention_kernels
+            )
 
     def list_runtime_runs(self, plan_hash: str | None = None) -> list[dict[str, object]]:
-        """Runtime runs, newest first (all columns but the plan JSON), optionally of one plan."""
+        """Runtime runs, newest first (all columns but the plan JSON), optionally of one plan,
+        each with `attention_kernels`: the kernels any rank ran in any step, sorted and
+        comma-joined ("" when none were recorded)."""
         query = select(RuntimeRunRow).order_by(RuntimeRunRow.id.desc())
         if plan_hash is not None:
             query = query.where(RuntimeRunRow.plan_hash == plan_hash)
         columns = [c.name for c in RuntimeRunRow.__table__.columns if c.name != "plan_json"]
         with self._session() as session:
-            return [{c: getattr(row, c) for c in columns} for row in session.scalars(query)]
+            runs = [{c: getattr(row, c) for c in columns} for row in session.scalars(query)]
+            kernels = _kernels_by_run(session, [run["id"] for run in runs])
+        for run in runs:
+            run["attention_kernels"] = kernels_label(kernels.get(run["id"], set()))
+        return runs
 
     def runtime_peaks(self) -> list[tuple[int, str, list[tuple[int, str, int]]]]:
         """Every runtime run with measurements, oldest first: (run id, the plan JSON it ran,
@@ -210,11 +250,31 @@ class RuntimeTables:
             .where(RuntimeMeasurementRow.run_id == run_id)
             .order_by(RuntimeMeasurementRow.step, RuntimeMeasurementRow.rank)
         )
+        kernel_query = select(
+            RuntimeKernelRow.rank, RuntimeKernelRow.step, RuntimeKernelRow.attention_kernels
+        ).where(RuntimeKernelRow.run_id == run_id)
         with self._session() as session:
+            kernels = {(rank, step): names for rank, step, names in session.execute(kernel_query)}
             return [
-                RuntimeMeasurement(**{f: getattr(row, f) for f in _MEASUREMENT_FIELDS})
+                RuntimeMeasurement(
+                    **{f: getattr(row, f) for f in _MEASUREMENT_FIELDS},
+                    attention_kernels=kernels.get((row.rank, row.step), ""),
+                )
                 for row in session.scalars(query)
             ]
+
+
+def _kernels_by_run(session, run_ids: list[int]) -> dict[int, set[str]]:
+    """run id -> every attention kernel its kernel rows name."""
+    if not run_ids:
+        return {}
+    query = select(RuntimeKernelRow.run_id, RuntimeKernelRow.attention_kernels).where(
+        RuntimeKernelRow.run_id.in_(run_ids)
+    )
+    kernels: dict[int, set[str]] = {}
+    for run_id, names in session.execute(query):
+        kernels.setdefault(run_id, set()).update(names.split(","))
+    return kernels
 
 
 def _check_measurement(measurement: RuntimeMeasurement) -> None:
@@ -228,3 +288,19 @@ def _check_measurement(measurement: RuntimeMeasurement) -> None:
         check_optional_metric(field_name, value)
         if value is None:
             raise InputError(f"{field_name} must be a number, got None")
+    _check_kernels(measurement.attention_kernels)
+
+
+def _check_kernels(label: object) -> None:
+    """Raise InputError unless `label` is "" or sorted, comma-joined `hexiseq.kernels` names."""
+    if not isinstance(label, str):
+        raise InputError(f"attention_kernels must be a string, got {label!r}")
+    if not label:
+        return
+    names = label.split(",")
+    unknown = [name for name in names if name not in ATTENTION_KERNELS]
+    if unknown or kernels_label(names) != label:
+        raise InputError(
+            f"attention_kernels {label!r} is not a sorted, comma-joined list of "
+            f"{', '.join(ATTENTION_KERNELS)}"
+        )

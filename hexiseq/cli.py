@@ -135,9 +135,10 @@ def _add_run_parser(commands) -> None:
     )
     run.add_argument(
         "--state-sharding",
-        choices=("fsdp2", "replicated"),
-        default="fsdp2",
-        help="fsdp2 (default): parameters, gradients and AdamW states sharded over the ranks, "
+        choices=("sharded", "replicated", "fsdp2"),
+        default="sharded",
+        help="sharded (default; 'fsdp2' is its former name): parameters, gradients and AdamW "
+        "states split over the ranks in the plan's state fractions, even or not, "
         "as the memory model counts them; replicated: all on every rank, gradients all-reduced",
     )
 

@@ -7,7 +7,7 @@ dataclass with one `Device` per global rank (ranks numbered node by node, in fil
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from importlib import resources
 from pathlib import Path
@@ -17,8 +17,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictFloat,
     StrictInt,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -43,6 +45,9 @@ class NodeFile(_Strict):
     count: StrictInt = Field(ge=1, le=1024)
     intra_node_GBps: float | None = Field(default=None, gt=0)
     emulation_slowdown: float = Field(default=1.0, ge=1.0)
+    memory_GiB: StrictFloat | None = None
+    """Memory per device replacing the catalog's (gpu: cpu test clusters only): lets a CPU
+    cluster stand in for cards too small for even model-state shares."""
 
     @field_validator("gpu")
     @classmethod
@@ -51,12 +56,32 @@ class NodeFile(_Strict):
             raise ValueError(f"unknown GPU '{name}'; allowed: {', '.join(gpu_catalog())}")
         return name
 
+    @field_validator("memory_GiB")
+    @classmethod
+    def _positive_memory(cls, memory_GiB: float | None, info: ValidationInfo) -> float | None:
+        if memory_GiB is not None and memory_GiB <= 0:
+            node = info.data.get("name", "?")
+            raise ValueError(
+                f"must be a positive number of GiB (node '{node}' has {memory_GiB:g})"
+            )
+        return memory_GiB
+
     @model_validator(mode="after")
     def _emulation_only_on_cpu(self) -> NodeFile:
         if self.emulation_slowdown != 1.0 and self.gpu != "cpu":
             raise ValueError(
                 f"emulation_slowdown is for gpu: cpu test clusters only (node '{self.name}' "
                 f"has gpu {self.gpu})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _memory_only_on_cpu(self) -> NodeFile:
+        # A GPU's memory is its datasheet's; only an emulated (CPU) device may claim another.
+        if self.memory_GiB is not None and self.gpu != "cpu":
+            raise ValueError(
+                f"memory_GiB is for gpu: cpu test clusters only (node '{self.name}' has gpu "
+                f"{self.gpu}, whose memory is the catalog's {gpu_spec(self.gpu).memory_GiB:g} GiB)"
             )
         return self
 
@@ -126,6 +151,7 @@ class Node:
     count: int
     intra_node_GBps: float
     emulation_slowdown: float = 1.0
+    memory_GiB: float | None = None  # None: the catalog's; set only on gpu: cpu test nodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +163,7 @@ class Device:
     node: str
     local_rank: int
     emulation_slowdown: float = 1.0
+    memory_GiB: float | None = None  # None: the catalog's (see `Cluster.gpu`)
 
 
 @dataclass(frozen=True)
@@ -156,7 +183,14 @@ class Cluster:
         for node in self.nodes:
             for local in range(node.count):
                 devices.append(
-                    Device(len(devices), node.gpu, node.name, local, node.emulation_slowdown)
+                    Device(
+                        len(devices),
+                        node.gpu,
+                        node.name,
+                        local,
+                        node.emulation_slowdown,
+                        node.memory_GiB,
+                    )
                 )
         return devices
 
@@ -170,8 +204,19 @@ class Cluster:
         return list(dict.fromkeys(node.gpu for node in self.nodes))
 
     def gpu(self, rank: int) -> GpuSpec:
-        """Catalog entry of the GPU at `rank`."""
-        return gpu_spec(self.devices[rank].gpu)
+        """Catalog entry of the GPU at `rank`, with its node's `memory_GiB` where the cluster
+        sets one: read a rank's memory capacity here, never from the catalog by GPU type."""
+        return self._specs[rank]
+
+    @cached_property
+    def _specs(self) -> tuple[GpuSpec, ...]:
+        specs = []
+        for device in self.devices:
+            spec = gpu_spec(device.gpu)
+            if device.memory_GiB is not None:
+                spec = replace(spec, memory_GiB=device.memory_GiB)
+            specs.append(spec)
+        return tuple(specs)
 
     def link_GBps(self, node_a: str, node_b: str) -> float:
         """One-direction bandwidth per GPU between two nodes (intra-node link if equal)."""
@@ -267,6 +312,7 @@ def _cluster_from_file(parsed: ClusterFile) -> Cluster:
             count=node.count,
             intra_node_GBps=float(node.intra_node_GBps or gpu_spec(node.gpu).intra_node_GBps),
             emulation_slowdown=node.emulation_slowdown,
+            memory_GiB=node.memory_GiB,
         )
         for node in parsed.nodes
     )
@@ -285,4 +331,6 @@ def _node_to_dict(node: Node) -> dict[str, Any]:
     }
     if node.emulation_slowdown != 1.0:
         entry["emulation_slowdown"] = node.emulation_slowdown
+    if node.memory_GiB is not None:
+        entry["memory_GiB"] = node.memory_GiB
     return entry

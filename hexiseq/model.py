@@ -25,6 +25,12 @@ class ModelSpec:
     vocab: int
     tied_embeddings: bool = False
     source: str = ""
+    rope_theta: float = 10_000.0
+    """RoPE base (config.json `rope_theta`; Su et al. 2021, eq. 15): 10,000 for Llama 1/2,
+    500,000 for Llama 3, 1,000,000 for Qwen2.5. (Llama 3.2's long-context frequency
+    scaling is not modelled.)"""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon (config.json `rms_norm_eps`)."""
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -38,6 +44,14 @@ class ModelSpec:
         ):
             if getattr(self, field_name) <= 0:
                 raise InputError(f"model {self.name}: {field_name} must be positive")
+        for field_name in ("rope_theta", "norm_eps"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+                raise InputError(
+                    f"model {self.name}: {field_name} must be a positive number (got {value!r})"
+                )
+            if value == float("inf"):
+                raise InputError(f"model {self.name}: {field_name} must be finite")
         if self.heads % self.kv_heads:
             raise InputError(
                 f"model {self.name}: kv_heads ({self.kv_heads}) must divide heads ({self.heads})"
@@ -93,6 +107,9 @@ def model_presets() -> dict[str, ModelSpec]:
     return {name: ModelSpec(name=name, **entry) for name, entry in raw.items()}
 
 
+RUNTIME_RECIPES = ("sharded", "autocast")
+
+
 @dataclass(frozen=True, slots=True)
 class TrainSpec:
     """What one training step processes and how.
@@ -108,6 +125,12 @@ class TrainSpec:
     activation_checkpointing: bool = True
     bytes_per_param_state: int = 16  # ZeRO paper (Rajbhandari et al. 2020) mixed-precision Adam
     compute_dtype_bytes: int = 2
+    runtime_recipe: str = "sharded"
+    """How the runtime holds and updates the weights, which the memory model and the step
+    simulator count: `sharded` (what `hexiseq.runtime` runs: FP32 master shards in the plan's
+    state fractions, weights gathered in the compute dtype, fused AdamW) or `autocast` (the
+    runtime before it, on one rank: whole FP32 weights under autocast, foreach AdamW; the
+    shared real-GPU runs were taken with it)."""
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -121,6 +144,11 @@ class TrainSpec:
             raise InputError(f"train: seq_len must be at least 2 tokens (got {self.seq_len})")
         if not isinstance(self.activation_checkpointing, bool):
             raise InputError("train: activation_checkpointing must be true or false")
+        if self.runtime_recipe not in RUNTIME_RECIPES:
+            raise InputError(
+                f"train: runtime_recipe must be one of {', '.join(RUNTIME_RECIPES)} "
+                f"(got {self.runtime_recipe!r})"
+            )
 
     @property
     def tokens_per_step(self) -> int:

@@ -8,6 +8,7 @@ each rank is missing.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -188,6 +189,22 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise InputError(f"{source}: not valid JSON (line {exc.lineno}: {exc.msg})") from None
         return cls.from_dict(document, source)
+
+    @classmethod
+    def from_run_json_text(cls, text: str, source: str = "plan") -> Plan:
+        """The plan a runtime run recorded, with the recipe it ran (`TrainSpec.runtime_recipe`).
+
+        Runs record the plan with the recipe they ran. A run recorded before the recipe was
+        recorded ran the runtime of its day: the `autocast` recipe on one rank, sharded
+        states (FSDP2) on more."""
+        plan = cls.from_json_text(text, source)
+        document = json.loads(text)
+        if "runtime_recipe" in document.get("train", {}):
+            return plan
+        recipe = "autocast" if plan.cluster.world_size == 1 else "sharded"
+        return dataclasses.replace(
+            plan, train=dataclasses.replace(plan.train, runtime_recipe=recipe)
+        )
 
     @classmethod
     def from_json(cls, path: str | Path) -> Plan:

@@ -9,12 +9,14 @@ sharded by an `AttentionLayout`; gloo (CPU) and NCCL (GPU). Modules:
 - `_routes`       pure: who sends which K/V heads to whom (matches costmodel._traffic)
 - `_tiles`        pure: a block's causal mask as mask-free full / causal-square tiles
 - `_block`        one ring step: GQA expansion, tiles, online-softmax merge (fp32)
-- `kernels`       SDPA kernels with log-sum-exp (CPU flash, CUDA flash/efficient, fp32 reference),
-                  chosen by `hexiseq.kernels.attention_kernel`; the profiler calls them too
+- `kernels`       SDPA kernels with log-sum-exp (CPU flash; CUDA cuDNN, falling back to flash,
+                  then efficient; fp32 reference), chosen by `hexiseq.kernels.attention_kernel`;
+                  the kernels run are recorded per step; the profiler makes the same calls
 - `_p2p`          batched isend/irecv of K/V head runs
 - `model`         Llama-style decoder over the sharded sequence (RoPE at global positions)
 - `loss`          mean next-token loss over all ranks' tokens; gradient all-reduce (sum)
-- `sharding`      FSDP2 model states over the whole domain (what the memory model counts)
+- `sharding`      model states sharded over the domain in the plan's fractions, even or not:
+                  FP32 master shards, weights gathered in the compute dtype (ZeRO-3 style)
 - `train`         the torchrun train loop of a plan, measured into the store
 - `_emulation`    emulated slower devices: compute phases padded by sleeping
 

@@ -28,8 +28,7 @@ from torch.utils._pytree import tree_leaves
 from hexiseq.plan import Plan
 from hexiseq.runtime import train as training
 from hexiseq.runtime._emulation import ComputePadding
-from hexiseq.runtime.attention import CPHPAttention
-from hexiseq.runtime.model import build_model, token_positions
+from hexiseq.runtime.model import token_positions
 
 
 @dataclass
@@ -180,23 +179,15 @@ def measure_step_allocations(
         rank=rank,
         world_size=plan.cluster.world_size,
         device=device,
-        autocast_dtype=None if dtype == torch.float32 else dtype,
+        compute_dtype=dtype,
         device_label="cpu",
         slowdown=1.0,
     )
-    model = build_model(
-        plan.model,
-        CPHPAttention(plan.layout()),
-        device=device,
-        checkpointing=plan.train.activation_checkpointing,
-    )
-    if sharded:
-        training.shard_model_states(model, context.autocast_dtype)
-    optimizer = training.build_optimizer(model, 1e-3)
+    model = training.build_plan_model(plan, context, 0, sharded)
+    optimizer = training.build_optimizer(model, 1e-3, fused=sharded)
     positions = token_positions(plan.layout(), rank)
     tracker = AllocationTracker()
-    local = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
-    tracker.track(local, "parameters")
+    tracker.track(model.parameters(), "parameters")
     after_forward: dict[str, int] = {}
 
     def phase(name: str):

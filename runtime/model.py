@@ -15,6 +15,9 @@ E hidden size, V vocabulary.
 
 from __future__ import annotations
 
+import zlib
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as functional
 from torch import nn
@@ -23,8 +26,6 @@ from torch.utils.checkpoint import checkpoint
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec
 
-ROPE_THETA = 10_000.0  # RoPE base of Llama 2 (Su et al. 2021, "RoFormer", eq. 15)
-RMS_NORM_EPS = 1e-5  # Llama 2 config.json rms_norm_eps
 INIT_STD = 0.02  # GPT-2 / Llama reference initialization of the weight matrices
 
 
@@ -52,18 +53,19 @@ class LocalAttention(nn.Module):
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich 2019), computed in fp32."""
 
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
+        self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + RMS_NORM_EPS)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return (normed * self.weight.float()).to(x.dtype)
 
 
 def rope_tables(
-    positions_T: torch.Tensor, head_dim: int, dtype: torch.dtype
+    positions_T: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin (T, D) of the rotation angles position * theta^(-2i/D) (rotate-half form).
 
@@ -71,7 +73,7 @@ def rope_tables(
     positions reach the hundreds of thousands.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions_T.device)
-    inverse_frequency = ROPE_THETA ** (-exponents / head_dim)
+    inverse_frequency = theta ** (-exponents / head_dim)
     angles_TD = positions_T.to(torch.float64)[:, None] * inverse_frequency[None, :]
     angles_TD = torch.cat([angles_TD, angles_TD], dim=-1)
     return angles_TD.cos().to(dtype), angles_TD.sin().to(dtype)
@@ -129,9 +131,9 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(spec.hidden)
+        self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.attention = SelfAttention(spec)
-        self.mlp_norm = RMSNorm(spec.hidden)
+        self.mlp_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.mlp = SwiGLU(spec)
 
     def forward(
@@ -161,33 +163,47 @@ class LlamaModel(nn.Module):
         self.checkpointing = checkpointing
         self.embedding = nn.Embedding(spec.vocab, spec.hidden)
         self.blocks = nn.ModuleList(DecoderBlock(spec) for _ in range(spec.layers))
-        self.final_norm = RMSNorm(spec.hidden)
+        self.final_norm = RMSNorm(spec.hidden, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden, spec.vocab, bias=False)
         if spec.tied_embeddings:
             self.lm_head.weight = self.embedding.weight
+        self.before_forward: Callable[[], None] | None = None
+        """Called first by every forward: `sharding` binds the root's gathered weights."""
 
     def forward(self, tokens_BT: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, V) for token ids (B, T) at global positions (T,)."""
+        return self.lm_head(self.hidden_states(tokens_BT, positions_T))
+
+    def hidden_states(self, tokens_BT: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """The final norm's output (B, T, E): what the LM head (or a chunked loss over
+        `lm_head.weight`) turns into logits."""
+        if self.before_forward is not None:
+            self.before_forward()
         x_BTE = self.embedding(tokens_BT)
-        rope = rope_tables(positions_T, self.spec.head_dim, x_BTE.dtype)
+        rope = rope_tables(positions_T, self.spec.head_dim, x_BTE.dtype, self.spec.rope_theta)
         for block in self.blocks:
             if self.checkpointing and torch.is_grad_enabled():
                 x_BTE = checkpoint(block, x_BTE, rope, self.attention, use_reentrant=False)
             else:
                 x_BTE = block(x_BTE, rope, self.attention)
-        return self.lm_head(self.final_norm(x_BTE))
+        return self.final_norm(x_BTE)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int) -> None:
-        """Weights ~ N(0, 0.02), norms = 1, drawn on the CPU from `seed` in a fixed order, so
-        every rank (and the single-process reference) gets the same values on any device."""
-        generator = torch.Generator().manual_seed(seed)
+        """Every parameter set to `initial_value(its name, its shape, seed)`, so every rank
+        (and the single-process reference) gets the same values on any device."""
         for name, parameter in self.named_parameters():  # a tied weight is listed once
-            if name.endswith("norm.weight"):
-                parameter.fill_(1.0)
-                continue
-            values = torch.randn(parameter.shape, generator=generator) * INIT_STD
-            parameter.copy_(values.to(parameter.dtype))
+            parameter.copy_(initial_value(name, parameter.shape, seed).to(parameter.dtype))
+
+
+def initial_value(name: str, shape: torch.Size | tuple[int, ...], seed: int) -> torch.Tensor:
+    """The initial FP32 value (on the CPU) of the parameter `name`: norms 1, weights
+    N(0, 0.02) from a generator seeded by `seed` and the name alone, so any rank can draw any
+    parameter without drawing the others (the sharded build draws only its shard's)."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * INIT_STD
 
 
 def build_model(
@@ -205,6 +221,8 @@ def build_model(
     """
     with torch.device("meta"):
         model = LlamaModel(spec, attention, checkpointing)
+    if torch.device(device).type == "meta":
+        return model  # shapes only: `sharding.shard_model_states(seed=...)` fills it
     model.to_empty(device=device)
     if spec.tied_embeddings:  # to_empty makes a fresh tensor per module; tie them again
         model.lm_head.weight = model.embedding.weight

@@ -19,8 +19,12 @@ What is measured (per rank, per step):
   "cuda_max_allocated". CPU: the process's peak resident set size since it started
   (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, KiB on Linux), which includes Python, torch
   and gloo: memory_measure "cpu_max_rss"; it never decreases from step to step.
-- Model states: FSDP2-sharded over all ranks by default (`sharding`; `--state-sharding
-  replicated` keeps them whole on every rank and all-reduces the gradients).
+- Model states: sharded over all ranks in the plan's `state_fraction`s, even or not, FP32
+  master shards with the model computing in the compute dtype (`sharding`); the model is
+  built on the meta device and each rank draws only its shards' initial values.
+  `--state-sharding replicated` keeps FP32 weights whole on every rank, computes under
+  autocast and all-reduces the gradients (a reference mode; the memory model does not
+  count it).
 - Emulated slowdown k of the rank's device (cluster `emulation_slowdown`): the rank sleeps
   (k - 1) x each compute phase (`_emulation`); rows are labelled as emulation.
 """
@@ -28,6 +32,7 @@ What is measured (per rank, per step):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import resource
@@ -45,13 +50,18 @@ from hexiseq.errors import HexiseqError, InputError
 from hexiseq.plan import Plan
 from hexiseq.runtime._emulation import ComputePadding
 from hexiseq.runtime.attention import CPHPAttention
-from hexiseq.runtime.loss import all_reduce_gradients, next_token_labels, sharded_next_token_loss
+from hexiseq.runtime.kernels import take_used_kernels
+from hexiseq.runtime.loss import (
+    all_reduce_gradients,
+    chunked_next_token_loss,
+    next_token_labels,
+)
 from hexiseq.runtime.model import LlamaModel, build_model, token_positions
 from hexiseq.runtime.sharding import (
+    LEGACY_STATE_SHARDING,
     STATE_SHARDING,
-    gradient_scale,
+    canonical_state_sharding,
     shard_model_states,
-    uneven_state_note,
 )
 from hexiseq.store import DEFAULT_STORE_URL, RuntimeMeasurement, Store
 
@@ -71,7 +81,7 @@ class TrainOptions:
     learning_rate: float
     device: str  # "auto", "cpu" or "cuda"
     dtype: str  # "auto", "float32" or "bfloat16"
-    state_sharding: str = "fsdp2"  # or "replicated" (gradient all-reduce)
+    state_sharding: str = "sharded"  # or "replicated" (gradient all-reduce)
 
 
 @dataclass
@@ -81,7 +91,7 @@ class RankContext:
     rank: int
     world_size: int
     device: torch.device
-    autocast_dtype: torch.dtype | None
+    compute_dtype: torch.dtype
     device_label: str
     slowdown: float
 
@@ -107,15 +117,16 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         "--dtype",
         choices=("auto", "float32", "bfloat16"),
         default="auto",
-        help="compute dtype: bfloat16 autocast (parameters and AdamW fp32); auto = bfloat16 "
-        "on CUDA, float32 on CPU",
+        help="compute dtype (FP32 master weights, gradient reduction and AdamW states either "
+        "way); auto = bfloat16 on CUDA, float32 on CPU",
     )
     parser.add_argument(
         "--state-sharding",
-        choices=STATE_SHARDING,
-        default="fsdp2",
-        help="fsdp2: parameters, gradients and AdamW states sharded over the ranks (what the "
-        "memory model counts); replicated: every rank holds all, gradients all-reduced",
+        choices=(*STATE_SHARDING, *LEGACY_STATE_SHARDING),
+        default="sharded",
+        help="sharded: parameters, gradients and AdamW states split over the ranks in the "
+        "plan's state fractions (what the memory model counts; 'fsdp2' is its former name); "
+        "replicated: every rank holds all, gradients all-reduced",
     )
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -128,7 +139,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         learning_rate=args.lr,
         device=args.device,
         dtype=args.dtype,
-        state_sharding=args.state_sharding,
+        state_sharding=canonical_state_sharding(args.state_sharding),
     )
 
 
@@ -189,7 +200,7 @@ def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
         rank=rank,
         world_size=dist.get_world_size(),
         device=device,
-        autocast_dtype=torch.bfloat16 if dtype == "bfloat16" else None,
+        compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         device_label=f"{actual} (plan: {planned.gpu})",
         slowdown=float(planned.emulation_slowdown),
     )
@@ -198,20 +209,9 @@ def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
 def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
     """K AdamW steps of the plan, measured and recorded; returns the exit code."""
     store, run_id = open_run(plan, options, context)
-    model = build_model(
-        plan.model,
-        CPHPAttention(plan.layout()),
-        seed=options.seed,
-        device=context.device,
-        checkpointing=plan.train.activation_checkpointing,
-    )
-    sharded = options.state_sharding == "fsdp2" and context.world_size > 1
-    if sharded:
-        shard_model_states(model, context.autocast_dtype)
-        note = uneven_state_note([a.state_fraction for a in plan.assignments])
-        if note and context.rank == 0:
-            print(f"hexiseq.runtime.train: note: {note}", flush=True)
-    optimizer = build_optimizer(model, options.learning_rate)
+    sharded = options.state_sharding == "sharded"
+    model = build_plan_model(plan, context, options.seed, sharded)
+    optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
     padding = ComputePadding(model, context.slowdown)
     positions = token_positions(plan.layout(), context.rank).to(context.device)
     for step in range(options.steps):
@@ -229,10 +229,29 @@ def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
     return 0
 
 
-def build_optimizer(model: torch.nn.Module, learning_rate: float) -> torch.optim.Optimizer:
-    """AdamW over FP32 states, the multi-tensor (foreach) implementation on every device, so
-    a CPU run allocates what a GPU run does (`costmodel.memory`: its one parameter-sized
-    temporary; torch's default picks foreach on CUDA only)."""
+def build_plan_model(plan: Plan, context: RankContext, seed: int, sharded: bool) -> LlamaModel:
+    """The plan's model on this rank: sharded in the plan's state fractions (built on the
+    meta device, this rank's shards drawn from `seed`), or whole (replicated)."""
+    attention = CPHPAttention(plan.layout())
+    checkpointing = plan.train.activation_checkpointing
+    if not sharded:
+        return build_model(
+            plan.model, attention, seed=seed, device=context.device, checkpointing=checkpointing
+        )
+    model = build_model(plan.model, attention, device="meta", checkpointing=checkpointing)
+    fractions = [assignment.state_fraction for assignment in plan.assignments]
+    shard_model_states(model, fractions, context.compute_dtype, seed=seed, device=context.device)
+    return model
+
+
+def build_optimizer(
+    model: torch.nn.Module, learning_rate: float, fused: bool = True
+) -> torch.optim.Optimizer:
+    """AdamW over the FP32 (master) states: torch's fused implementation (one kernel per
+    step, no parameter-sized temporaries) on every device, or the multi-tensor (foreach)
+    one of the former `autocast` recipe that `--state-sharding replicated` keeps."""
+    if fused:
+        return torch.optim.AdamW(model.parameters(), lr=learning_rate, fused=True)
     return torch.optim.AdamW(model.parameters(), lr=learning_rate, foreach=True)
 
 
@@ -255,7 +274,11 @@ def open_run(
 
 
 def record_run(store: Store, plan: Plan, options: TrainOptions, context: RankContext) -> int:
-    plan_json = plan.to_json_text()
+    """The run's row, with the plan as run: its train spec names the recipe that ran
+    (`sharded`, or `autocast` for `--state-sharding replicated`)."""
+    recipe = "sharded" if options.state_sharding == "sharded" else "autocast"
+    ran = dataclasses.replace(plan.train, runtime_recipe=recipe)
+    plan_json = dataclasses.replace(plan, train=ran).to_json_text()
     return store.save_runtime_run(
         plan_json,
         plan_hash=hashlib.sha256(plan_json.encode()).hexdigest(),
@@ -267,7 +290,7 @@ def record_run(store: Store, plan: Plan, options: TrainOptions, context: RankCon
         steps=options.steps,
         backend=dist.get_backend(),
         device=context.device.type,
-        dtype=str(context.autocast_dtype or torch.float32).removeprefix("torch."),
+        dtype=str(context.compute_dtype).removeprefix("torch."),
         emulation=any(d.emulation_slowdown != 1.0 for d in plan.cluster.devices),
         torch_version=torch.__version__,
     )
@@ -329,6 +352,7 @@ def measure_step(
         loss=loss,
         emulation_slowdown=context.slowdown,
         emulation_label=context.emulation_label,
+        attention_kernels=take_used_kernels(),
     )
 
 
@@ -344,28 +368,25 @@ def run_step(
     phase: Callable[[str], AbstractContextManager] = lambda name: nullcontext(),
 ) -> float:
     """Forward and backward of each micro-batch (gradient accumulation), the gradient
-    reduction (FSDP2's reduce-scatter in the backward, or an all-reduce of replicated
+    reduction (the shards' reduce-scatter in the backward, or an all-reduce of replicated
     gradients), AdamW. Returns the step's loss: the mean over its micro-batches of each
     sequence's mean. `phase(name)` wraps each part ("forward", "loss", "backward",
     "optimizer"): the memory probe (`allocations`) counts what each allocates."""
     micro_batches = tokens_MS.shape[0]
-    scale = gradient_scale("fsdp2" if sharded else "replicated")
+    autocast = not sharded and context.compute_dtype != torch.float32
     losses = []
     for index in range(micro_batches):
         tokens_BS = tokens_MS[index : index + 1]
-        with (
-            phase("forward"),
-            torch.autocast(
-                context.device.type,
-                dtype=context.autocast_dtype or torch.float32,
-                enabled=context.autocast_dtype is not None,
-            ),
-        ):
-            logits = model(tokens_BS[:, positions], positions)
-        with phase("loss"):
-            loss = sharded_next_token_loss(logits, next_token_labels(tokens_BS, positions))
+        labels = next_token_labels(tokens_BS, positions)
+        with torch.autocast(context.device.type, dtype=context.compute_dtype, enabled=autocast):
+            with phase("forward"):
+                hidden = model.hidden_states(tokens_BS[:, positions], positions)
+            with phase("loss"):  # the LM head and the loss, a chunk of tokens at a time
+                loss = chunked_next_token_loss(
+                    hidden, model.lm_head.weight, labels, compute_dtype=context.compute_dtype
+                )
         with phase("backward"):
-            (loss.local_share * scale / micro_batches).backward()
+            (loss.local_share / micro_batches).backward()
         losses.append(loss.global_loss.item())
     padding.flush()
     with phase("optimizer"):

@@ -52,11 +52,11 @@ def plan_for_choices(problem: Problem, choices: GlobalChoices) -> Plan | Infeasi
 
 
 def _state_fractions(problem: Problem, layout, milp_fractions) -> tuple[list[float], str]:
-    """Even state shares (what FSDP2 runs, `hexiseq.runtime.sharding`) whenever they fit in
-    memory; the MILP's uneven shares only where even ones would overflow a device."""
+    """Even state shares whenever they fit in memory; the MILP's uneven shares only where even
+    ones would overflow a device (`hexiseq.runtime.sharding` runs either as planned)."""
     even = even_state_fractions(problem.cluster.world_size)
     if not memory_shortfall(problem, layout, even):
-        return even, "even (FSDP2)"
+        return even, "even"
     return list(milp_fractions), "MILP (by memory): even shares do not fit"
 
 

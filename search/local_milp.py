@@ -83,10 +83,16 @@ def solve_local(
 
 
 def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
-    devices = problem.cluster.devices
+    cluster = problem.cluster
+    devices = cluster.devices
     members: dict[tuple, list[int]] = {}
     for position, group in enumerate(groups):
-        kind = tuple((devices[r].gpu, devices[r].emulation_slowdown) for r in group)
+        # A class shares its first group's memory rows, so its groups must share capacities
+        # too (a CPU test node may set its own `memory_GiB`), not just GPU type and speed.
+        kind = tuple(
+            (devices[r].gpu, devices[r].emulation_slowdown, cluster.gpu(r).memory_bytes)
+            for r in group
+        )
         members.setdefault((kind, tuple(heads[position])), []).append(position)
     return [
         _Class(tuple(positions), len(groups[positions[0]]), key[1])
@@ -320,7 +326,6 @@ def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group:
             high - low,
             largest * block if multi_group else 0,
             gpu == "cpu",
-            layout.world_size > 1,
         )
         m = rank_memory(problem.model, problem.train, shape, share, calibration)
         return np.array(list(m.phase_peaks().values()), dtype=float)

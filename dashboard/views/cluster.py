@@ -20,7 +20,7 @@ def devices_frame(cluster: Cluster) -> pd.DataFrame:
             "node": device.node,
             "local_rank": device.local_rank,
             "gpu": device.gpu,
-            "memory_GiB": gpu_spec(device.gpu).memory_GiB,
+            "memory_GiB": cluster.gpu(device.rank).memory_GiB,
             "dense_bf16_TFLOPs": gpu_spec(device.gpu).dense_bf16_tflops,
             "emulation_slowdown": device.emulation_slowdown,
         }
@@ -37,7 +37,7 @@ def nodes_frame(cluster: Cluster) -> pd.DataFrame:
             "gpu": node.gpu,
             "devices": node.count,
             "intra_node_GBps": node.intra_node_GBps,
-            "memory_GiB_total": node.count * gpu_spec(node.gpu).memory_GiB,
+            "memory_GiB_total": node.count * (node.memory_GiB or gpu_spec(node.gpu).memory_GiB),
             "emulation_slowdown": node.emulation_slowdown,
         }
         for node in cluster.nodes

@@ -14,15 +14,20 @@ from hexiseq.kernels import ATTENTION_KERNELS, attention_kernel, canonical_kerne
     [
         ("cpu", "float32", 128, "cpu_flash"),
         ("cpu", "bfloat16", 100, "cpu_flash"),
-        ("cuda", "bfloat16", 128, "flash"),
-        ("cuda", "torch.float16", 64, "flash"),
+        ("cuda", "bfloat16", 128, "cudnn"),
+        ("cuda", "torch.float16", 64, "cudnn"),
+        ("cuda", "bfloat16", 192, "flash"),  # above cuDNN's 128
+        ("cuda", "bfloat16", 256, "flash"),
         ("cuda", "float32", 128, "efficient"),
         ("cuda", "float64", 128, "explicit"),
         ("cuda", "bfloat16", 100, "explicit"),  # not a multiple of 8
         ("cuda", "bfloat16", 512, "explicit"),  # above the CUDA kernels' 256
         ("mps", "bfloat16", 128, "explicit"),
-        ("H100-SXM", "bfloat16", 128, "flash"),  # a catalog GPU runs the CUDA kernels
-        ("MI300X", "bfloat16", 128, "flash"),
+        ("H100-SXM", "bfloat16", 128, "cudnn"),  # a catalog GPU runs the CUDA kernels
+        ("B200", "bfloat16", 64, "cudnn"),
+        ("A100-80G", "bfloat16", 128, "flash"),  # Ampere: torch keeps FA2 first too
+        ("RTX-4090", "bfloat16", 128, "flash"),
+        ("MI300X", "bfloat16", 128, "flash"),  # ROCm: no cuDNN
     ],
 )
 def test_attention_kernel_rule(device, dtype, head_dim, kernel):
@@ -52,7 +57,7 @@ def test_every_gpu_prices_the_kernel_it_runs_and_cites_it(name):
 def test_h100_backends_follow_the_measured_rates():
     # ../shared/data/h100-sdpa-gemm-rates.json: cuDNN 1.7-1.9x flash (FA2), efficient ~0.5x.
     spec = gpu_spec("H100-SXM")
-    assert spec.default_attention_kernel == "flash"
+    assert spec.default_attention_kernel == "cudnn"
     flash, cudnn, efficient = (
         spec.kernel_efficiency(k, backward=False) for k in ("flash", "cudnn", "efficient")
     )

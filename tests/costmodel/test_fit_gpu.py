@@ -178,11 +178,12 @@ def test_the_fitted_model_predicts_what_the_fit_saw_and_broadcasts():
     q = row.params["q_len"]
     pairs = q * (q + 1) // 2
     predicted = model.attention_time_s("H100-SXM", pairs, 8, 128, backward=False,
-                                       q_tokens=q, kv_tokens=q)  # fmt: skip
+                                       q_tokens=q, kv_tokens=q, kernel="flash")  # fmt: skip
     assert predicted == pytest.approx(row.median_s, rel=1e-6)
     heads = np.array([[4], [8]])
     grid = model.attention_time_s("H100-SXM", np.array([[pairs, q * q]]), heads, 128,
-                                  backward=False, q_tokens=q, kv_tokens=q)  # fmt: skip
+                                  backward=False, q_tokens=q, kv_tokens=q,
+                                  kernel="flash")  # fmt: skip
     assert grid.shape == (2, 2)
     assert grid[1, 0] == predicted
     assert grid[1, 1] > grid[1, 0]  # the full block runs the tiles the mask skips

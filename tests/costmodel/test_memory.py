@@ -44,11 +44,11 @@ def test_terms_by_hand():
     assert MODEL.params == 123_840
     assert (rank0.parameters, rank0.gradients) == (49_536, 49_536)
     assert rank0.optimizer_states == int(123_840 * 8 * 0.1)
-    assert rank0.optimizer_transients == 49_536  # foreach AdamW's sqrt(v), FP32
-    # FSDP2: the root (embedding, head, final norm) gathered in bf16; in the backward a
-    # block gathered (bf16), its FP32 unsharded gradients and two FP32 shards.
+    assert rank0.optimizer_transients == 0  # fused AdamW
+    # Sharded: the root (embedding, head, final norm) gathered in bf16; in the backward a
+    # block gathered again (bf16) and its bf16 gradients as the layer makes them.
     assert rank0.gathered_parameters == (6_400 + 6_400 + 64) * 2
-    assert rank0.sharding_backward_buffers == int(36_992 * 6 + 2 * 36_992 * 4 * 0.1)
+    assert rank0.sharding_backward_buffers == 36_992 * 2 * 2
     # Stream in bf16 (sharded): embedding output + RoPE cos/sin (16 each), block outputs.
     assert rank0.embedding_output == 600 * (64 + 32) * 2
     assert rank0.checkpoints == 3 * 600 * 64 * 2
@@ -63,9 +63,15 @@ def test_terms_by_hand():
     assert rank0.mlp_activations == mlp
     assert rank0.layer_activations == norm + 600 * 64 * 2 + head_form + 600 * 64 * 2 + mlp
     assert rank0.weight_cache == 0  # FSDP2 gathers bf16 weights: autocast casts nothing
-    assert rank0.head_activations == norm + 600 * 64 * 2
-    assert rank0.logits == 600 * 100 * 2
-    assert rank0.loss_transients == 600 * 100 * 12
+    # The final norm's saved tensors (its FP32 upcast replaces the last block's bf16 output,
+    # freed); its output (bf16) is what the train loop holds, and the chunked loss makes no
+    # logits beyond one chunk (here all 600 tokens): their bf16 logits with the FP32 upcast,
+    # the bf16 hidden gradient and the FP32 weight gradient.
+    assert rank0.head_activations == norm - 600 * 64 * 2
+    assert rank0.logits == 600 * 64 * 2
+    assert rank0.loss_transients == 600 * 64 * 2 + 100 * 64 * 4 + 600 * 100 * (2 + 4)
+    assert rank0.head_gradients == 100 * 64 * 2  # cast to the gathered weight's bf16
+    assert rank0.head_backward_transients == 4 * 600 * 64 * 4  # the final norm's, FP32
     assert rank0.mlp_backward_transients == 600 * (2 * 128 * 2 + 64 * 2)
     # Backward ring: largest visiting block (1,000 tokens) x 2 buffers x K,V x 2 KV heads x
     # 16 dims x (BF16 + FP32 dK/dV).
@@ -74,19 +80,27 @@ def test_terms_by_hand():
     assert rank0.reserve == CUDA_CONTEXT_BYTES
 
 
-def test_one_rank_keeps_fp32_weights_and_stream():
-    """Without FSDP2 (one rank) autocast casts the FP32 weights at every use and the
-    residual stream stays FP32 (the embedding is not autocast)."""
+def test_the_autocast_recipe_keeps_fp32_weights_and_stream():
+    """The former one-rank recipe (the shared GPU runs): autocast casts the FP32 weights at
+    every use and the residual stream stays FP32 (the embedding is not autocast)."""
     cluster = Cluster.from_dict(
         {"name": "one", "nodes": [{"name": "n0", "gpu": "A100-80G", "count": 1}]}
     )
     layout = build_uniform_layout(1600, 4, 2, [1])
-    m = estimate_memory(cluster, MODEL, TrainSpec(seq_len=1600), layout)[0]
+    train = TrainSpec(seq_len=1600, runtime_recipe="autocast")
+    m = estimate_memory(cluster, MODEL, train, layout)[0]
     assert m.gathered_parameters == m.sharding_backward_buffers == 0
+    assert m.optimizer_transients == MODEL.params * 4  # foreach AdamW's sqrt(v), FP32
     assert m.checkpoints == 3 * 1600 * 64 * 4
     linear = 36_992 - 2 * 64
     assert m.weight_cache == 3 * linear * 2
-    assert m.head_activations == 1600 * (64 * 4 + 4) + 1600 * 64 * 2 + 100 * 64 * 2
+    assert m.head_activations == 1600 * (64 * 4 + 4)  # the final norm's (FP32 input)
+    assert m.logits == 1600 * 64 * 4  # its FP32 output, held by the train loop
+    # The loss casts the FP32 head weight (bf16 copy) and each chunk's FP32 hidden rows to
+    # bf16; its weight gradient stays FP32.
+    chunk = 1600 * 64 * 2 + 1600 * 100 * (2 + 4)
+    assert m.loss_transients == 1600 * 64 * 4 + 100 * 64 * 4 + 100 * 64 * 2 + chunk
+    assert m.head_gradients == 100 * 64 * 4
 
 
 def test_peak_is_the_largest_phase():
@@ -99,7 +113,9 @@ def test_peak_is_the_largest_phase():
         m.parameters + m.gradients + m.optimizer_states + m.optimizer_transients + m.logits
         + m.kernel_workspaces
     )  # fmt: skip
-    assert phases["loss_backward"] - phases["forward_end"] == m.loss_transients
+    assert phases["loss"] - phases["forward_end"] == m.loss_transients
+    head_backward = m.head_gradients + m.head_backward_transients
+    assert phases["head_backward"] - phases["forward_end"] == head_backward
     assert m.peak_bytes == int(m.allocated_bytes * (1 + m.fragmentation)) + m.reserve
     assert sum(m.terms().values()) == m.peak_bytes
 

@@ -1,6 +1,6 @@
 """The memory model against what the runtime really allocates (issue 11, item 1).
 
-The runtime's real training step (`runtime.train.run_step`, model, FSDP2 sharding and AdamW
+The runtime's real training step (`runtime.train.run_step`, model, sharded states and AdamW
 built as `hexiseq run` builds them) runs on CPU in bfloat16 under
 `runtime.allocations.AllocationTracker`, which counts every live storage. Each phase of the
 memory model is compared with the tracker's peak of that phase, and the step's peak with the
@@ -90,29 +90,30 @@ def test_one_rank_step_allocates_what_the_model_says(
     one_rank_group, model, seq_len, checkpointing
 ):
     plan = bf16_plan(model, seq_len, 1, checkpointing)
-    measured = measure_step_allocations(plan, 0, torch.bfloat16, sharded=False)
+    measured = measure_step_allocations(plan, 0, torch.bfloat16, sharded=True)
     check_phases(plan, measured, modelled(plan)[0])
 
 
 def test_one_rank_terms_match_the_tensors_they_name(one_rank_group):
-    """States by kind: parameters, AdamW states and the foreach temporary, exactly."""
+    """States by kind: parameters and AdamW states exactly; fused AdamW makes no temporary."""
     plan = bf16_plan("small", 2048, 1, True)
     breakdown = modelled(plan)[0]
-    measured = measure_step_allocations(plan, 0, torch.bfloat16, sharded=False)
+    measured = measure_step_allocations(plan, 0, torch.bfloat16, sharded=True)
     kinds = measured.by_kind_after_forward
     assert kinds["parameters"] == breakdown.parameters
-    # Made by the first step's AdamW: the moments, and a 4-byte step counter per tensor.
-    tensors = 9 * plan.model.layers + 3  # 7 linears + 2 norms per block; embedding, norm, head
+    # Made by the first step's AdamW: the moments, and a 4-byte step counter per tensor:
+    # one flat master shard per unit (each block, and the root).
+    tensors = plan.model.layers + 1
     assert kinds["optimizer"] == breakdown.optimizer_states + 4 * tensors
     optimizer = measured.phases["optimizer"]
-    assert optimizer.growth_bytes == breakdown.optimizer_transients  # foreach sqrt(v)
+    assert optimizer.growth_bytes == breakdown.optimizer_transients == 0
 
 
 def test_memory_grows_with_the_tokens_as_the_runtime_does(one_rank_group):
     """The slope per token, not only the level: 2K -> 8K tokens."""
     short, long = (bf16_plan("small", n, 1, False) for n in (2048, 8192))
     measured = [
-        measure_step_allocations(p, 0, torch.bfloat16, False).peak_bytes for p in (short, long)
+        measure_step_allocations(p, 0, torch.bfloat16, True).peak_bytes for p in (short, long)
     ]
     predicted = [modelled(p)[0].allocated_bytes for p in (short, long)]
     assert_close(measured[1] - measured[0], predicted[1] - predicted[0], "growth 2K -> 8K")
@@ -132,7 +133,7 @@ def _two_rank_probe(rank, world_size, plan_json, results):
 
 
 @pytest.mark.multiproc
-def test_two_ranks_with_fsdp2_and_the_ring_allocate_what_the_model_says(tmp_path):
+def test_two_ranks_with_sharded_states_and_the_ring_allocate_what_the_model_says(tmp_path):
     import torch.multiprocessing as mp
 
     plan = bf16_plan("small", 4096, 2, True)

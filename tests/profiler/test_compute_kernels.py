@@ -24,8 +24,20 @@ PROFILER = Path(_compute_ops.__file__).parent
 def _devices_and_kernels() -> list[tuple[str, torch.dtype, str]]:
     cases = [("cpu", torch.float32, "cpu_flash"), ("cpu", torch.bfloat16, "cpu_flash")]
     if torch.cuda.is_available():
-        cases += [("cuda", torch.bfloat16, "flash"), ("cuda", torch.float32, "efficient")]
+        half = "cudnn" if runtime_kernels.cudnn_usable(torch.device("cuda")) else "flash"
+        cases += [("cuda", torch.bfloat16, half), ("cuda", torch.float32, "efficient")]
     return cases
+
+
+@pytest.fixture(autouse=True)
+def _fresh_kernel_state(monkeypatch):
+    """No kernel retired and no cached hardware answer leaks between tests."""
+    monkeypatch.setattr(_compute_ops, "_failed_kernels", {})
+    for probe in (_compute_ops._cudnn_hardware_usable, runtime_kernels._cudnn_hardware_usable):
+        probe.cache_clear()
+    yield
+    for probe in (_compute_ops._cudnn_hardware_usable, runtime_kernels._cudnn_hardware_usable):
+        probe.cache_clear()
 
 
 def test_profiler_does_not_import_the_runtime():
@@ -76,3 +88,81 @@ def test_attention_point_runs_the_named_kernel():
     assert kernel == "cpu_flash"
     out, lse = calls[0]()
     assert out.shape == (1, 2, 16, 8) and lse.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("capability", "cudnn_version", "hip", "sdp_enabled"),
+    [
+        ((9, 0), 91600, None, True),
+        ((10, 0), 91900, None, True),
+        ((8, 0), 91600, None, True),
+        ((9, 0), 91002, None, True),
+        ((9, 0), 91600, "6.2", True),
+        ((9, 0), 91600, None, False),
+    ],
+)
+def test_profiler_and_runtime_agree_when_cudnn_is_usable(
+    monkeypatch, capability, cudnn_version, hip, sdp_enabled
+):
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn_version)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: sdp_enabled)
+    device = torch.device("cuda", 0)
+    usable = runtime_kernels.cudnn_usable(device)
+    assert _compute_ops._cudnn_usable(device) is usable
+    assert usable is (capability[0] in (9, 10) and cudnn_version >= 91501 and hip is None
+                      and sdp_enabled)  # fmt: skip
+    expected = "cudnn" if usable else "flash"
+    assert _compute_ops.attention_kernel(device, torch.bfloat16, 128) == expected
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_profiler_cudnn_calls_are_the_runtimes(causal):
+    # No cuDNN here: torch's meta functions of the two ops check the calls' arguments and
+    # give their shapes, dtypes and strides.
+    def meta(*shape):
+        return torch.empty(*shape, dtype=torch.bfloat16, device="meta")
+
+    q, k, v = meta(1, 3, 48, 64), meta(1, 3, 48, 64), meta(1, 3, 48, 64)
+    scale = 64**-0.5
+    out, lse = _compute_ops._forward("cudnn", q, k, v, causal, scale)
+    expected = runtime_kernels.forward_with("cudnn", q, k, v, causal=causal, scale=scale)
+    for got, want in zip((out, lse), expected, strict=True):
+        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+    assert lse.shape == (1, 3, 48) and lse.dtype == torch.float32
+    grads = _compute_ops._backward("cudnn", out, q, k, v, out, lse, causal, scale)
+    expected = runtime_kernels.backward_with(
+        "cudnn", out, q, k, v, out, lse, causal=causal, scale=scale
+    )
+    for got, want in zip(grads, expected, strict=True):
+        assert (got.shape, got.dtype, got.stride()) == (want.shape, want.dtype, want.stride())
+
+
+def test_a_failing_kernel_is_profiled_as_its_fallback_and_named_so(monkeypatch):
+    # As on a GPU whose cuDNN rejects the graph: cudnn raises, flash (here the CPU kernel
+    # standing in) runs, and the point records "flash", as the runtime would run it.
+    real_forward, real_backward, tried = _compute_ops._forward, _compute_ops._backward, []
+
+    def forward(kernel, *args):
+        tried.append(kernel)
+        if kernel == "cudnn":
+            raise RuntimeError("cuDNN Frontend error: [cudnn_frontend] No valid engine configs")
+        return real_forward("cpu_flash" if kernel == "flash" else kernel, *args)
+
+    def backward(kernel, *args):
+        return real_backward("cpu_flash" if kernel == "flash" else kernel, *args)
+
+    monkeypatch.setattr(_compute_ops, "_forward", forward)
+    monkeypatch.setattr(_compute_ops, "_backward", backward)
+    monkeypatch.setattr(_compute_ops, "attention_kernel", lambda device, dtype, head_dim: "cudnn")
+    params = {"q_len": 16, "kv_len": 16, "heads": 2, "head_dim": 8, "causal": True}
+    for op in ("attention_fwd", "attention_bwd"):
+        point = Point(op=op, dtype="float32", params=params, flops=0.0, bytes_moved=0.0)
+        calls, kernel = _compute_ops.build_calls(point, torch.device("cpu"), input_sets=2)
+        assert kernel == "flash" and len(calls) == 2
+        outputs = calls[1]()  # (out, lse) forward, (dq, dk, dv) backward
+        assert len(outputs) == (3 if op == "attention_bwd" else 2)
+    assert tried.count("cudnn") == 1  # retired for float32 head_dim 8 after the first failure
+    assert set(_compute_ops._failed_kernels) == {("cudnn", "float32", 8)}

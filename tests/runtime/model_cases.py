@@ -25,7 +25,8 @@ class ModelCase:
     batch: int
     seed: int
     checkpointing: bool = False
-    sharded: bool = False  # FSDP2 model states (runtime.sharding) instead of replicated
+    sharded: bool = False  # model states sharded (runtime.sharding) instead of replicated
+    state_fractions: tuple[float, ...] | None = None  # each rank's share; None = even
 
 
 def zigzag(model: str, groups, segments, token_weights, head_counts) -> AttentionLayout:
@@ -55,12 +56,20 @@ CASES: dict[int, list[ModelCase]] = {
         ModelCase(
             "tiny-7h", zigzag("tiny-7h", [[0, 1, 2]], [42], [[1, 2, 4]], [[2, 4, 1]]), 1, 32
         ),
-        ModelCase(  # FSDP2-sharded states
+        ModelCase(  # sharded states, even shares
             "tiny",
             zigzag("tiny", [[1], [2, 0]], [20, 20], [[1], [3, 1]], [[8], [2, 6]]),
             1,
             33,
             sharded=True,
+        ),
+        ModelCase(  # uneven shares over mixed HP group sizes (one rank holds none)
+            "tiny",
+            zigzag("tiny", [[1], [2, 0]], [20, 20], [[1], [3, 1]], [[8], [2, 6]]),
+            2,
+            34,
+            sharded=True,
+            state_fractions=(0.55, 0.45, 0.0),
         ),
     ],
     4: [
@@ -71,6 +80,7 @@ CASES: dict[int, list[ModelCase]] = {
             41,
             checkpointing=True,
             sharded=True,
+            state_fractions=(0.1, 0.4, 0.2, 0.3),
         ),
         ModelCase(
             "tiny-7h",
@@ -114,22 +124,24 @@ def sharded_step(case: ModelCase, rank: int) -> tuple[float, dict[str, torch.Ten
         sharded_next_token_loss,
     )
     from hexiseq.runtime.model import build_model, token_positions
-    from hexiseq.runtime.sharding import full_gradients, gradient_scale, shard_model_states
+    from hexiseq.runtime.sharding import full_gradients, shard_counts, shard_model_states
 
     spec = ModelSpec.preset(case.model)
     attention = CPHPAttention(case.layout)
     model = build_model(spec, attention, seed=case.seed, checkpointing=case.checkpointing)
     if case.sharded:
-        shard_model_states(model)
-        local = sum(p.to_local().numel() for p in model.parameters())
-        assert local < sum(p.numel() for p in model.parameters())  # each rank holds a shard
+        states = shard_model_states(model, case.state_fractions)
+        fractions = case.state_fractions or (1 / case.layout.world_size,) * case.layout.world_size
+        planned = sum(shard_counts(u.numel, fractions)[rank] for u in states.units)
+        assert sum(p.numel() for p in model.parameters()) == planned  # this rank's share only
+        assert abs(planned - fractions[rank] * spec.params) <= len(states.units)
     calls = []
     attention.register_forward_hook(lambda *_: calls.append(1))
     tokens = case_tokens(case)
     positions = token_positions(case.layout, rank)
     logits = model(tokens[:, positions], positions)
     loss = sharded_next_token_loss(logits, next_token_labels(tokens, positions))
-    (loss.local_share * gradient_scale("fsdp2" if case.sharded else "replicated")).backward()
+    loss.local_share.backward()
     # Checkpointing runs every layer's attention again in the backward pass.
     assert len(calls) == spec.layers * (2 if case.checkpointing else 1)
     if not case.sharded:

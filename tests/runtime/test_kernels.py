@@ -5,15 +5,20 @@ is given the merged (global) out and lse; the sums must equal plain attention ov
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from hexiseq.runtime._block import OnlineSoftmax
 from hexiseq.runtime.kernels import (
+    backward_with,
     block_backward,
     block_forward,
+    cudnn_usable,
     explicit_backward,
     explicit_forward,
+    forward_with,
 )
 
 SCALE = 0.3
@@ -109,7 +114,7 @@ def test_bfloat16_cpu_kernel_is_close_to_reference():
 @pytest.mark.parametrize(
     "dtype,tolerance",
     [(torch.float16, 5e-3), (torch.bfloat16, 2e-2), (torch.float32, 1e-5)],
-    ids=["fp16-flash", "bf16-flash", "fp32-efficient"],
+    ids=["fp16-rule", "bf16-rule", "fp32-efficient"],  # rule: cudnn or flash
 )
 def test_cuda_kernels_match_plain_attention(dtype, tolerance):
     q, blocks, dout = two_blocks(device="cuda", dtype=dtype, rows=40, keys=(70, 40))
@@ -120,3 +125,42 @@ def test_cuda_kernels_match_plain_attention(dtype, tolerance):
     for (dk, dv), (want_dk, want_dv) in zip(dkv, want_dkv):
         assert_close(dk, want_dk, tolerance)
         assert_close(dv, want_dv, tolerance)
+
+
+def _cuda_kernel_or_skip(kernel: str) -> None:
+    if kernel == "cudnn" and not cudnn_usable(torch.device("cuda")):
+        pytest.skip("cuDNN attention is not usable on this GPU/cuDNN (hexiseq.kernels)")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("kernel", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize(
+    "dtype,tolerance", [(torch.float16, 5e-3), (torch.bfloat16, 2e-2)], ids=["fp16", "bf16"]
+)
+def test_each_cuda_kernel_merged_with_global_lse_matches_plain_attention(kernel, dtype, tolerance):
+    # Lengths that are not multiples of 64 or 128, as uneven ring tiles are.
+    _cuda_kernel_or_skip(kernel)
+    q, blocks, dout = two_blocks(device="cuda", dtype=dtype, rows=40, keys=(70, 40))
+    forward, backward = partial(forward_with, kernel), partial(backward_with, kernel)
+    out, dq, dkv = merged_and_grads(forward, backward, q, blocks, dout)
+    assert_close(out, plain_attention(q, blocks, causal_last=True), tolerance)
+    want_dq, want_dkv = reference_grads(q, blocks, dout)
+    assert_close(dq, want_dq, tolerance)
+    for (dk, dv), (want_dk, want_dv) in zip(dkv, want_dkv):
+        assert_close(dk, want_dk, tolerance)
+        assert_close(dv, want_dv, tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cudnn_forward_and_a_flash_backward_mix_exactly():
+    # Every kernel's lse is the natural-log log-sum-exp, so a fallback between the forward and
+    # the backward of a block changes nothing.
+    _cuda_kernel_or_skip("cudnn")
+    q, blocks, dout = two_blocks(device="cuda", dtype=torch.bfloat16, rows=40, keys=(70, 40))
+    forward, backward = partial(forward_with, "cudnn"), partial(backward_with, "flash")
+    out, dq, _ = merged_and_grads(forward, backward, q, blocks, dout)
+    assert_close(out, plain_attention(q, blocks, causal_last=True), 2e-2)
+    want_dq, _ = reference_grads(q, blocks, dout)
+    assert_close(dq, want_dq, 2e-2)
