@@ -176,7 +176,19 @@ def _format_key_part(part) -> str:
     return f"{part:g}x" if isinstance(part, float) else str(part)
 
 
+def _newest_kernel_only(members: list) -> list:
+    """A family profiled with several attention kernels (a store re-profiled after the
+    kernel rule changed, e.g. flash then cuDNN) keeps the rows of its newest run's kernel."""
+    kernels = {m.extra.get("kernel") for _, m in members}
+    if len(kernels) <= 1:
+        return members
+    newest = max(members, key=lambda member: member[0] if member[0] is not None else -1)
+    kernel = newest[1].extra.get("kernel")
+    return [(run, m) for run, m in members if m.extra.get("kernel") == kernel]
+
+
 def _points(members: list) -> _Points:
+    members = _newest_kernel_only(members) if members[0][1].op in COMPUTE_OPS else members
     measurements = [m for _, m in members]
     names: tuple[str, ...] = ()
     if measurements[0].op in COMPUTE_OPS:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from hexiseq.catalog import GiB, MiB
 from hexiseq.cluster import Cluster
@@ -332,6 +333,7 @@ def rank_memory(
     )
 
 
+@lru_cache(maxsize=1 << 16)
 def _modelled_memory(
     model: ModelSpec, train: TrainSpec, shape: RankShape, state_fraction: float
 ) -> MemoryBreakdown:
@@ -353,10 +355,7 @@ def _modelled_memory(
         layer_activations=layer,
         mlp_activations=mlp_activation_bytes(model, dtypes, shape.tokens),
         weight_cache=weight_cache_bytes(model, dtypes, train.activation_checkpointing),
-        head_activations=head_activation_bytes(model, dtypes, shape.tokens),
-        logits=shape.tokens * model.hidden * dtypes.stream,
-        loss_transients=loss_transient_bytes(model, train, dtypes, shape.tokens),
-        head_gradients=model.vocab * model.hidden * head_weight_bytes(dtypes),
+        **_head_and_loss_terms(model, train, dtypes, shape.tokens),
         head_backward_transients=head_backward_bytes(model, shape.tokens),
         mlp_backward_transients=mlp_backward_bytes(model, dtypes, shape.tokens),
         attention_backward_transients=attention_backward_bytes(model, dtypes, shape, cuda),
@@ -480,6 +479,35 @@ def weight_cache_bytes(model: ModelSpec, dtypes: RuntimeDtypes, checkpointing: b
     if not (dtypes.casts_weights and checkpointing):
         return 0
     return model.layers * _linear_params_per_layer(model) * dtypes.compute
+
+
+LEGACY_LOSS_BYTES_PER_LOGIT = 12
+"""The `autocast` recipe's loss over full logits: the FP32 log-softmax output (saved), its
+gradient and the logits' gradient."""
+
+
+def _head_and_loss_terms(
+    model: ModelSpec, train: TrainSpec, dtypes: RuntimeDtypes, tokens: int
+) -> dict[str, int]:
+    """The head's and the loss's terms. The runtime's chunked loss: the hidden states the
+    train loop holds (`logits`), the loss's chunk transients. The former `autocast` recipe
+    made every logit in the compute dtype, kept them, and upcast them all to FP32."""
+    if not dtypes.sharded:
+        norm = _norm_saved_bytes(model, dtypes, tokens)
+        output = tokens * model.hidden * dtypes.compute  # the norm's output, saved by the head
+        weight_copy = model.vocab * model.hidden * dtypes.compute if dtypes.casts_weights else 0
+        return {
+            "head_activations": norm + output + weight_copy,
+            "logits": tokens * model.vocab * dtypes.compute,
+            "loss_transients": tokens * model.vocab * LEGACY_LOSS_BYTES_PER_LOGIT,
+            "head_gradients": model.vocab * model.hidden * MASTER_BYTES,
+        }
+    return {
+        "head_activations": head_activation_bytes(model, dtypes, tokens),
+        "logits": tokens * model.hidden * dtypes.stream,
+        "loss_transients": loss_transient_bytes(model, train, dtypes, tokens),
+        "head_gradients": model.vocab * model.hidden * head_weight_bytes(dtypes),
+    }
 
 
 def head_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:

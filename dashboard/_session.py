@@ -1,28 +1,35 @@
 """What every page shares: the store, the plan the user is looking at, its baselines, and the
-what-if result kept in `st.session_state`. The thin Streamlit shell around the pure views."""
+what-if result kept in `st.session_state`. The thin Streamlit shell around the pure views.
+
+The app opens only the databases its operator configured, read from its environment (where
+`hexiseq dashboard` puts them): the store ($HEXISEQ_STORE_URL) and Optuna studies
+(`--optuna-storage`). A visitor chooses between them but never types a URL, and every page shows
+them with the password masked.
+"""
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from dataclasses import dataclass
 
 import streamlit as st
 
+from hexiseq._cli_dashboard import OPTUNA_STORAGE_ENV
 from hexiseq.dashboard.views.records import BEST_LABEL, baseline_ids_of, plan_choice_label
 from hexiseq.errors import HexiseqError
 from hexiseq.plan import InfeasiblePlan, Plan
-from hexiseq.store import DEFAULT_STORE_URL, PlanRecord, Store
+from hexiseq.store import PlanRecord, Store, display_url, store_url_from
 
 STORE_URL_KEY = "store_url"
+OPTUNA_STORAGE_KEY = "optuna_storage_url"
+STORE_CHOICE = "store"
+OPTUNA_STORAGE_CHOICE = "optuna-storage"
 PLAN_CHOICE_KEY = "plan_choice"
 UPLOADS_KEY = "uploaded_plans"
 WHATIF_KEY = "whatif_result"
 WHATIF_CHOICE = "whatif"
 PENDING_CHOICE_KEY = "pending_plan_choice"
 BASELINE_NAMES = ("uniform-usp", "ring-only", "ulysses-only")
-STORE_URL_ENV = "HEXISEQ_STORE_URL"
 
 PLAN_HINT = (
     "No plans yet. Run `hexiseq plan --cluster h100x8-a100x8 --model llama-30b --seq-len 512k` "
@@ -41,14 +48,34 @@ class SelectedPlan:
 
 
 def store_url() -> str:
-    """The store URL: set by a test in session state, else `--store` after the app's `--`,
-    else $HEXISEQ_STORE_URL, else the default."""
+    """The store URL, password included (open it, never show it): set by a test in session
+    state, else $HEXISEQ_STORE_URL, else the default."""
     if STORE_URL_KEY not in st.session_state:
-        parser = argparse.ArgumentParser(add_help=False)
-        parser.add_argument("--store", default=os.environ.get(STORE_URL_ENV, DEFAULT_STORE_URL))
-        known, _ = parser.parse_known_args(sys.argv[1:])
-        st.session_state[STORE_URL_KEY] = known.store
+        st.session_state[STORE_URL_KEY] = store_url_from(None)
     return st.session_state[STORE_URL_KEY]
+
+
+def shown_store_url() -> str:
+    """The store URL as pages show it: the password masked."""
+    return display_url(store_url())
+
+
+def optuna_storages() -> dict[str, str]:
+    """Choice key -> URL of every Optuna storage the operator configured: the store's own
+    database, and the `--optuna-storage` of `hexiseq dashboard` (a test sets it in session
+    state) when given. Nothing a visitor types."""
+    if OPTUNA_STORAGE_KEY not in st.session_state:
+        st.session_state[OPTUNA_STORAGE_KEY] = os.environ.get(OPTUNA_STORAGE_ENV) or None
+    storages = {STORE_CHOICE: store_url()}
+    if st.session_state[OPTUNA_STORAGE_KEY] is not None:
+        storages[OPTUNA_STORAGE_CHOICE] = st.session_state[OPTUNA_STORAGE_KEY]
+    return storages
+
+
+def optuna_storage_label(choice: str) -> str:
+    """How the choice of `optuna_storages` is shown: where it comes from, the password masked."""
+    where = "the store" if choice == STORE_CHOICE else "--optuna-storage"
+    return f"{where}: {display_url(optuna_storages()[choice])}"
 
 
 @st.cache_resource(show_spinner=False)
@@ -169,7 +196,7 @@ def sidebar() -> None:
 
     Drawn by each page rather than by the entry script: Streamlit's AppTest keeps only the
     page's own elements after the first run."""
-    st.sidebar.caption(f"store: `{store_url()}`")
+    st.sidebar.caption(f"store: `{shown_store_url()}`")
     store()  # a store that cannot be opened stops here, with one line
     upload = st.sidebar.file_uploader("Upload a plan JSON", type=["json"], key="plan_upload")
     if upload is not None:

@@ -1,5 +1,6 @@
-"""The dashboard's entry point: `streamlit run app.py -- --store URL` (what `hexiseq dashboard`
-starts). Pages via `st.navigation`; each page draws the shared sidebar (`_session.sidebar`)."""
+"""The dashboard's entry point: `HEXISEQ_STORE_URL=URL streamlit run app.py` (what `hexiseq
+dashboard` starts). Pages via `st.navigation`; each page draws the shared sidebar
+(`_session.sidebar`)."""
 
 from __future__ import annotations
 

@@ -26,6 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from hexiseq.store import child_environment
+
 PAGES = {
     "plan": "",
     "cluster": "cluster",
@@ -71,20 +73,15 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def running_dashboard(store_url: str, port: int) -> Iterator[str]:
-    """`hexiseq dashboard --store URL --port PORT` in a subprocess, up and healthy; yields
-    its base URL and stops it (its whole process group) on exit."""
-    command = [
-        sys.executable,
-        "-m",
-        "hexiseq.cli",
-        "dashboard",
-        "--store",
-        store_url,
-        "--port",
-        str(port),
-    ]
+    """`HEXISEQ_STORE_URL=URL hexiseq dashboard --port PORT` in a subprocess, up and healthy;
+    yields its base URL and stops it (its whole process group) on exit."""
+    command = [sys.executable, "-m", "hexiseq.cli", "dashboard", "--port", str(port)]
     process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=child_environment(store_url),
     )
     base_url = f"http://127.0.0.1:{port}"
     try:

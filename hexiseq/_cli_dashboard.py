@@ -1,7 +1,8 @@
 """`hexiseq dashboard`: start the Streamlit app on 127.0.0.1 against a store.
 
 Core code: it finds the app's file without importing `hexiseq.dashboard` (nothing imports the
-dashboard) and checks its dependencies before starting anything.
+dashboard) and checks its dependencies before starting anything. The app gets the store URL and
+the Optuna storage URL in its environment, never its command line (any user can read that).
 """
 
 from __future__ import annotations
@@ -13,11 +14,14 @@ import sys
 from pathlib import Path
 
 from hexiseq.errors import InputError
-from hexiseq.store import DEFAULT_STORE_URL
+from hexiseq.store import STORE_URL_HELP, child_environment, display_url, parse_database_url
 
 DEFAULT_PORT = 8501
 DASHBOARD_MODULES = ("streamlit", "plotly", "pandas")
 INSTALL_HINT = "pip install -e '.[dashboard]'"
+OPTUNA_STORAGE_ENV = "HEXISEQ_DASHBOARD_OPTUNA_STORAGE"
+"""How `hexiseq dashboard --optuna-storage URL` hands the URL to the app."""
+_OPTUNA_URLS = "give a SQLAlchemy URL such as sqlite:///optuna.db or postgresql://USER@HOST/DB"
 
 
 def add_dashboard_parser(commands) -> None:
@@ -29,9 +33,14 @@ def add_dashboard_parser(commands) -> None:
     )
     dashboard.add_argument(
         "--store",
-        default=DEFAULT_STORE_URL,
         metavar="URL",
-        help=f"SQLAlchemy URL of the store to show (default {DEFAULT_STORE_URL})",
+        help=f"SQLAlchemy URL of the store to show {STORE_URL_HELP}",
+    )
+    dashboard.add_argument(
+        "--optuna-storage",
+        metavar="URL",
+        help="SQLAlchemy URL of Optuna studies to show beside those in the store (a `hexiseq "
+        "plan --storage`); visitors can choose only between these two, never type a URL",
     )
     dashboard.add_argument(
         "--port", type=_port, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})"
@@ -56,8 +65,9 @@ def app_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / "app.py"
 
 
-def streamlit_command(store_url: str, port: int) -> list[str]:
-    """The `streamlit run` command line: bound to 127.0.0.1, headless, no usage statistics."""
+def streamlit_command(port: int) -> list[str]:
+    """The `streamlit run` command line: bound to 127.0.0.1, headless, no usage statistics; no
+    URL in it (`streamlit_environment` carries them)."""
     return [
         sys.executable,
         "-m",
@@ -72,10 +82,17 @@ def streamlit_command(store_url: str, port: int) -> list[str]:
         "true",
         "--browser.gatherUsageStats",
         "false",
-        "--",
-        "--store",
-        store_url,
     ]
+
+
+def streamlit_environment(store_url: str, optuna_storage: str | None) -> dict[str, str]:
+    """The app's environment: this one, with $HEXISEQ_STORE_URL and the Optuna storage URL set
+    (the latter removed when None, so that a stale one is not shown)."""
+    environment = child_environment(store_url)
+    environment.pop(OPTUNA_STORAGE_ENV, None)
+    if optuna_storage is not None:
+        environment[OPTUNA_STORAGE_ENV] = optuna_storage
+    return environment
 
 
 def run_dashboard(args: argparse.Namespace) -> int:
@@ -86,11 +103,18 @@ def run_dashboard(args: argparse.Namespace) -> int:
         raise InputError(f"the dashboard needs {', '.join(missing)}: {INSTALL_HINT}")
     from hexiseq.store import Store
 
+    if args.optuna_storage is not None:  # parsed here; the page says if it cannot be read
+        parse_database_url(args.optuna_storage, "--optuna-storage", _OPTUNA_URLS)
     store = Store.open(args.store)  # a bad URL fails here, in one line
     shown_url = store.url  # the password hidden
     store.close()
-    print(f"hexiseq dashboard on http://127.0.0.1:{args.port} (store {shown_url}); Ctrl-C stops")
+    shown = f"store {shown_url}"
+    if args.optuna_storage is not None:
+        shown += f", Optuna storage {display_url(args.optuna_storage)}"
+    print(f"hexiseq dashboard on http://127.0.0.1:{args.port} ({shown}); Ctrl-C stops")
+    command = streamlit_command(args.port)
+    environment = streamlit_environment(args.store, args.optuna_storage)
     try:
-        return subprocess.run(streamlit_command(args.store, args.port), check=False).returncode
+        return subprocess.run(command, env=environment, check=False).returncode
     except KeyboardInterrupt:
         return 0

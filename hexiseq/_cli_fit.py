@@ -8,7 +8,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from hexiseq.errors import InputError
-from hexiseq.store import DEFAULT_STORE_URL
+from hexiseq.store import STORE_URL_HELP
 
 if TYPE_CHECKING:
     from hexiseq.costmodel import CostModel, FittedDocument, ProfileSource, RuntimeSource
@@ -28,9 +28,8 @@ def add_fit_parser(commands: Any) -> None:
     )
     fit.add_argument(
         "--store",
-        default=DEFAULT_STORE_URL,
         metavar="URL",
-        help=f"SQLAlchemy URL of the store with the profiles (default {DEFAULT_STORE_URL})",
+        help=f"SQLAlchemy URL of the store with the profiles {STORE_URL_HELP}",
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hexiseq._cli_types import positive_int
 from hexiseq.errors import InputError
-from hexiseq.store import DEFAULT_STORE_URL
+from hexiseq.store import STORE_URL_HELP, child_environment
 
 _DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
 _COMPUTE_ONLY = {"emulation_slowdown": "--emulation-slowdown", "threads": "--threads"}
@@ -97,9 +97,9 @@ def _add_shared_options(parser: argparse.ArgumentParser, *, argparse_defaults: b
     )
     parser.add_argument(
         "--store",
-        default=default(DEFAULT_STORE_URL),
+        default=default(None),
         metavar="URL",
-        help=f"SQLAlchemy URL of the store (default {DEFAULT_STORE_URL})",
+        help=f"SQLAlchemy URL of the store {STORE_URL_HELP}",
     )
     parser.add_argument(
         "--device-type",
@@ -185,10 +185,19 @@ def _run_links(args: argparse.Namespace) -> int:
 
         check_cuda_ranks(args.nproc)
     Store.open(args.store).close()  # a bad URL fails here, in one line, not on rank 0
-    # One thread per rank (the ranks share the machine); set here, torchrun prints no banner.
-    environment = {"OMP_NUM_THREADS": "1", **os.environ}
-    command = _torchrun_command(args, grid_path, grid_label)
+    command, environment = links_command(args, grid_path, grid_label)
     return subprocess.run(command, env=environment, check=False).returncode
+
+
+def links_command(
+    args: argparse.Namespace, grid_path: Path, grid_label: str
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line of the link sweep and its environment: the store URL (it may
+    hold a password) goes in $HEXISEQ_STORE_URL, never the command line any user can read."""
+    # One thread per rank (the ranks share the machine); set here, torchrun prints no banner.
+    threads = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    environment = child_environment(args.store, **threads)
+    return _torchrun_command(args, grid_path, grid_label), environment
 
 
 def _torchrun_command(args: argparse.Namespace, grid_path: Path, grid_label: str) -> list[str]:
@@ -203,7 +212,6 @@ def _torchrun_command(args: argparse.Namespace, grid_path: Path, grid_label: str
         "hexiseq.profiler.links",
         f"--grid={grid_path}",
         f"--grid-name={grid_label}",
-        f"--store={args.store}",
         f"--device={args.device}",
         f"--command={_command_line(args, grid_label)}",
         *[f"{flag}={value}" for flag, value in optional.items() if value is not None],

@@ -1,6 +1,8 @@
 """The `hexiseq` command line: a thin shell over the library.
 
-Bad input exits with code 2 and one line on stderr, never a traceback.
+Bad input exits with code 2 and one line on stderr, never a traceback. Every command takes the
+store URL from `--store`, else $HEXISEQ_STORE_URL, else sqlite:///hexiseq.db; a URL with a
+password belongs in the environment (argv is public), and no output shows the password.
 """
 
 from __future__ import annotations
@@ -17,9 +19,21 @@ from hexiseq._cli_types import positive_float, positive_int
 from hexiseq.cluster import cluster_presets
 from hexiseq.errors import HexiseqError
 from hexiseq.model import model_presets
-from hexiseq.store import DEFAULT_STORE_URL
+from hexiseq.store import (
+    DEFAULT_STORE_URL,
+    STORE_URL_ENV,
+    STORE_URL_HELP,
+    child_environment,
+    store_url_from,
+)
 
 EXIT_BAD_INPUT = 2
+STORE_EPILOG = (
+    f"Every command takes the store URL from --store, else ${STORE_URL_ENV}, else "
+    f"{DEFAULT_STORE_URL}. Give a URL with a password in ${STORE_URL_ENV}: a command line is "
+    "visible to every user of the machine (hexiseq passes it to its own children in the "
+    "environment, and shows it with the password masked)."
+)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -30,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hexiseq", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="hexiseq", description=__doc__.splitlines()[0], epilog=STORE_EPILOG)
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     plan = commands.add_parser(
         "plan",
@@ -55,9 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", metavar="PATH", help="write the best plan as JSON here")
     plan.add_argument(
         "--store",
-        default=DEFAULT_STORE_URL,
         metavar="URL",
-        help=f"SQLAlchemy URL of the store the plans are saved in (default {DEFAULT_STORE_URL})",
+        help=f"SQLAlchemy URL of the store the plans are saved in {STORE_URL_HELP}",
     )
     plan.add_argument("--no-store", action="store_true", help="do not save the plans")
     plan.add_argument(
@@ -121,9 +134,9 @@ def _add_run_parser(commands) -> None:
     run.add_argument("--steps", type=positive_int, default=5, metavar="K", help="steps (5)")
     run.add_argument(
         "--store",
-        default=DEFAULT_STORE_URL,
         metavar="URL",
-        help=f"SQLAlchemy URL of the store the measurements go to (default {DEFAULT_STORE_URL})",
+        help=f"SQLAlchemy URL of the store the measurements go to {STORE_URL_HELP}; the ranks "
+        "get it through their environment, never their command line",
     )
     run.add_argument("--no-store", action="store_true", help="record nothing")
     run.add_argument("--seed", type=int, default=0, help="parameter and token seed (default 0)")
@@ -146,6 +159,8 @@ def _add_run_parser(commands) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hexiseq` console script; returns the exit code."""
     args = build_parser().parse_args(argv)
+    if args.command != "predict":  # predict reads no store unless one is named
+        args.store = store_url_from(args.store)
     try:
         if args.command == "plan":
             return _plan(args)
@@ -206,18 +221,26 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Check the plan here (a clear error, no torch import), then hand over to torchrun."""
+    """Check the plan here (a clear error, no torch import), then hand over to torchrun; the
+    store URL goes to the ranks in $HEXISEQ_STORE_URL (`run_command`)."""
     import subprocess
 
     from hexiseq.plan import Plan
 
     plan = Plan.from_json(args.plan)
+    command, environment = run_command(args, plan.cluster.world_size)
+    return subprocess.run(command, env=environment, check=False).returncode
+
+
+def run_command(args: argparse.Namespace, world_size: int) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command line of `hexiseq run` and its environment: the store URL (it may
+    hold a password) is in the environment only, since any user can read a command line."""
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",  # a free rendezvous port on this machine
-        f"--nproc-per-node={plan.cluster.world_size}",
+        f"--nproc-per-node={world_size}",
         "-m",
         "hexiseq.runtime.train",
         f"--plan={args.plan}",
@@ -225,9 +248,9 @@ def _run(args: argparse.Namespace) -> int:
         f"--seed={args.seed}",
         f"--device={args.device}",
         f"--state-sharding={args.state_sharding}",
-        *(["--no-store"] if args.no_store else [f"--store={args.store}"]),
+        *(["--no-store"] if args.no_store else []),
     ]
-    return subprocess.run(command, check=False).returncode
+    return command, child_environment(None if args.no_store else args.store)
 
 
 def _checkpointing(args: argparse.Namespace) -> bool | None:

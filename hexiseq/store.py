@@ -2,6 +2,8 @@
 
 One SQLAlchemy URL names it: `sqlite:///PATH` (embedded, the default `sqlite:///hexiseq.db`) or
 `postgresql://USER@HOST/DB`; both behave the same because only portable ORM constructs are used.
+Every command takes it from `--store`, else $HEXISEQ_STORE_URL (`store_url_from`); a password in
+it is masked wherever a URL is shown (`Store.url`, errors: `mask_url_passwords`).
 Every write runs in a transaction (`Session.begin()`), so a crash or Ctrl-C loses only the write in
 flight, never what was committed before it. `Store.transaction()` groups several writes into one.
 
@@ -33,8 +35,8 @@ from sqlalchemy import (
     func,
     select,
 )
-from sqlalchemy.engine import URL, make_url
-from sqlalchemy.exc import ArgumentError, OperationalError, SQLAlchemyError
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from hexiseq._store_base import (
@@ -48,6 +50,16 @@ from hexiseq._store_profiles import (
     ProfileTables,
 )
 from hexiseq._store_runtime import MEMORY_MEASURES, RuntimeMeasurement, RuntimeTables
+from hexiseq._store_url import (
+    DEFAULT_STORE_URL,
+    STORE_URL_ENV,
+    STORE_URL_HELP,
+    child_environment,
+    display_url,
+    mask_url_passwords,
+    parse_database_url,
+    store_url_from,
+)
 from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
 
@@ -55,14 +67,20 @@ __all__ = [
     "DEFAULT_STORE_URL",
     "MEMORY_MEASURES",
     "SCHEMA_VERSION",
+    "STORE_URL_ENV",
+    "STORE_URL_HELP",
     "PlanRecord",
     "PlanRow",
     "RuntimeMeasurement",
     "Store",
     "StoreBase",
+    "child_environment",
+    "display_url",
+    "mask_url_passwords",
+    "parse_database_url",
+    "store_url_from",
 ]
 
-DEFAULT_STORE_URL = "sqlite:///hexiseq.db"
 SCHEMA_VERSION = 1
 """Version of the table layout this code writes; a store with a higher one is refused."""
 
@@ -147,22 +165,24 @@ class Store(RuntimeTables, ProfileTables):
 
     @classmethod
     def open(cls, url: str | None = None) -> Store:
-        """Open the store at `url` (default `DEFAULT_STORE_URL`), creating missing tables.
+        """Open the store at `url` (None: $HEXISEQ_STORE_URL, else `DEFAULT_STORE_URL`),
+        creating missing tables.
 
         For a SQLite file the parent directory is created if missing.
         Raises InputError (one line naming the URL and what is allowed) when the URL cannot be
         parsed, names an unsupported dialect or a driver that is not installed, cannot be opened,
-        is not a hexiseq store, or holds a schema_version newer than this code knows.
+        is not a hexiseq store, or holds a schema_version newer than this code knows. No
+        message shows the URL's password.
         """
-        parsed_url = _parse_store_url(DEFAULT_STORE_URL if url is None else url)
-        display_url = parsed_url.render_as_string(hide_password=True)
-        engine = _create_store_engine(parsed_url, display_url)
+        parsed_url = _parse_store_url(store_url_from(url))
+        shown_url = display_url(parsed_url)
+        engine = _create_store_engine(parsed_url, shown_url)
         try:
-            _prepare_schema(engine, display_url)
+            _prepare_schema(engine, shown_url)
         except BaseException:
             engine.dispose()
             raise
-        return cls(engine, display_url)
+        return cls(engine, shown_url)
 
     @property
     def url(self) -> str:
@@ -322,43 +342,41 @@ def _describe_plan_ids(session: Session) -> str:
 
 
 def _one_line(error: BaseException) -> str:
-    """The first line of an error's message, without SQLAlchemy's "(Background on ...)" tail."""
+    """The first line of an error's message, without SQLAlchemy's "(Background on ...)" tail;
+    a URL a driver echoes in it shows no password."""
     original = getattr(error, "orig", None) or error
     text = str(original).strip().splitlines()
-    return text[0] if text else type(original).__name__
+    return mask_url_passwords(text[0]) if text else type(original).__name__
 
 
 def _parse_store_url(url: str) -> URL:
     """Parse `url`; raise InputError unless it is a SQLite or PostgreSQL SQLAlchemy URL."""
-    try:
-        parsed_url = make_url(url)
-    except (ArgumentError, TypeError, ValueError):
-        raise InputError(f"store URL {url!r} cannot be parsed; {_ALLOWED_URLS}") from None
+    parsed_url = parse_database_url(url, "store URL", _ALLOWED_URLS)
     backend = parsed_url.get_backend_name()
     if backend not in _SUPPORTED_BACKENDS:
-        shown = parsed_url.render_as_string(hide_password=True)
+        shown = display_url(parsed_url)
         raise InputError(
             f"store URL {shown!r} uses unsupported dialect {backend!r}; {_ALLOWED_URLS}"
         )
     return parsed_url
 
 
-def _create_store_engine(parsed_url: URL, display_url: str) -> Engine:
+def _create_store_engine(parsed_url: URL, shown_url: str) -> Engine:
     """Create the engine (no connection yet); raise InputError if the driver is missing."""
     if parsed_url.get_backend_name() == "sqlite":
-        _make_sqlite_parent_directory(parsed_url, display_url)
+        _make_sqlite_parent_directory(parsed_url, shown_url)
     try:
         return create_engine(parsed_url)
     except ImportError as error:
         raise InputError(
-            f"store URL {display_url!r} needs database driver {error.name!r}, which is not "
+            f"store URL {shown_url!r} needs database driver {error.name!r}, which is not "
             f"installed; {_ALLOWED_URLS}"
         ) from None
     except (SQLAlchemyError, TypeError, ValueError) as error:
-        raise InputError(f"store URL {display_url!r} is not usable: {_one_line(error)}") from None
+        raise InputError(f"store URL {shown_url!r} is not usable: {_one_line(error)}") from None
 
 
-def _make_sqlite_parent_directory(parsed_url: URL, display_url: str) -> None:
+def _make_sqlite_parent_directory(parsed_url: URL, shown_url: str) -> None:
     """Create the directory that will hold a SQLite database file, if it is missing."""
     database = parsed_url.database
     is_uri = str(parsed_url.query.get("uri", "")).lower() in ("true", "1")
@@ -369,7 +387,7 @@ def _make_sqlite_parent_directory(parsed_url: URL, display_url: str) -> None:
         parent.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise InputError(
-            f"store {display_url} cannot be opened: cannot create directory {str(parent)!r}: "
+            f"store {shown_url} cannot be opened: cannot create directory {str(parent)!r}: "
             f"{error.strerror or error}"
         ) from None
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from hexiseq.errors import HexiseqError
 from hexiseq.profiles import ProfileMeasurement
-from hexiseq.store import Store
+from hexiseq.store import STORE_URL_HELP, Store, store_url_from
 
 from ._device import DeviceIdentity, describe_device
 from ._grid import Grid, load_grid
@@ -34,14 +34,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="hexiseq.profiler.links", description=__doc__)
     parser.add_argument("--grid", required=True, help="grid YAML file")
     parser.add_argument("--grid-name", default=None, help="name recorded for the grid")
-    parser.add_argument("--store", required=True, help="SQLAlchemy URL of the store")
+    parser.add_argument(
+        "--store",
+        default=None,
+        help=f"SQLAlchemy URL of the store {STORE_URL_HELP} (`hexiseq profile links` sets "
+        "the environment, so no password shows in a command line)",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--device-type", default=None, help="catalog GPU type (CUDA only)")
     parser.add_argument("--link-class", default=None, help="default intra:<device_type>")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--command", default="hexiseq profile links")
     parser.add_argument("--progress", action="store_true", help="progress bar on stderr")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.store = store_url_from(args.store)
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -40,6 +40,22 @@ def compute_phase() -> Iterator[None]:
         padding._end()
 
 
+@contextmanager
+def communication_phase() -> Iterator[None]:
+    """Time inside is not compute, even inside a compute phase: a collective a layer waits on
+    (the sharded states' all-gather that a layer's backward triggers, `sharding`) is what a
+    slower device would wait for too, not compute to pad."""
+    padding = _active
+    if padding is None or padding._open == 0:
+        yield
+        return
+    began = time.perf_counter()
+    try:
+        yield
+    finally:
+        padding._opened_at += time.perf_counter() - began
+
+
 class ComputePadding:
     """Forward and backward hooks that pad every phase of `model` by (slowdown - 1) x."""
 
@@ -101,8 +117,11 @@ class ComputePadding:
 
 
 def _is_padded(module: nn.Module) -> bool:
-    """Leaf modules that own parameters (linears, RMSNorm); not the embedding lookup."""
+    """Leaf modules with weights (linears, RMSNorm); not the embedding lookup. Under sharded
+    states (`sharding`) a module's weight is no parameter of its own but a view bound for
+    each forward: a `weight` attribute all the same."""
     if isinstance(module, nn.Embedding):
         return False
     has_children = any(True for _ in module.children())
-    return not has_children and any(True for _ in module.parameters(recurse=False))
+    owns = any(True for _ in module.parameters(recurse=False)) or hasattr(module, "weight")
+    return not has_children and owns

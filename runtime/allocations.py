@@ -16,12 +16,14 @@ it (or the kind given to `track`), so what a phase left behind can be read by la
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
@@ -191,6 +193,12 @@ def measure_step_allocations(
     after_forward: dict[str, int] = {}
 
     def phase(name: str):
+        if name == "optimizer" and dist.is_initialized():
+            # gloo runs collectives on worker threads, whose temporaries (a copy of a unit's
+            # gradients) go whenever the worker lets go: settle them before the optimizer
+            # phase, so it counts the runtime's tensors, not gloo's timing.
+            dist.barrier()
+            time.sleep(0.05)
         if name == "loss":
             after_forward.clear()
             after_forward.update(tracker.live_by_kind())
@@ -200,10 +208,11 @@ def measure_step_allocations(
         for step in range(2):
             tracker.phases.clear()
             tokens = training.step_tokens(plan, 0, step)
-            training.run_step(
-                plan, context, model, optimizer, ComputePadding(model, 1.0), tokens, positions,
-                sharded, phase=phase,
-            )  # fmt: skip
+            with training.collector_paused():  # as `train` runs its steps
+                training.run_step(
+                    plan, context, model, optimizer, ComputePadding(model, 1.0), tokens,
+                    positions, sharded, phase=phase,
+                )  # fmt: skip
     return StepAllocations(
         phases=dict(tracker.phases),
         peak_bytes=tracker.peak_bytes,

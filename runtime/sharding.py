@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hexiseq.runtime._emulation import communication_phase
 from hexiseq.runtime.model import LlamaModel, initial_value
 
 STATE_SHARDING = ("sharded", "replicated")
@@ -107,7 +108,8 @@ class ShardedUnit:
         if self._buffer is None:
             shard = self.master.detach().to(self.compute_dtype)
             buffer = torch.empty(self.numel, dtype=self.compute_dtype, device=shard.device)
-            _all_gather_uneven(buffer, shard, self.counts, self.rank, self.group)
+            with communication_phase():  # an emulated slower device waits, not computes
+                _all_gather_uneven(buffer, shard, self.counts, self.rank, self.group)
             self._buffer = buffer
             self.gathers += 1
         return self._buffer
@@ -195,7 +197,8 @@ class _Gather(torch.autograd.Function):
         for place, grad in zip(unit.places, grads, strict=True):
             if grad is not None:
                 flat[place.offset : place.offset + place.numel].copy_(grad.reshape(-1))
-        return None, _reduce_scatter_uneven(flat, unit.counts, unit.rank, unit.group)
+        with communication_phase():
+            return None, _reduce_scatter_uneven(flat, unit.counts, unit.rank, unit.group)
 
 
 def _all_gather_uneven(

@@ -33,14 +33,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import hashlib
 import os
 import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ from hexiseq.runtime.sharding import (
     canonical_state_sharding,
     shard_model_states,
 )
-from hexiseq.store import DEFAULT_STORE_URL, RuntimeMeasurement, Store
+from hexiseq.store import STORE_URL_HELP, RuntimeMeasurement, Store, store_url_from
 
 EXIT_BAD_INPUT = 2
 # The caching allocator grows mapped segments instead of splitting fixed ones: the default left
@@ -108,7 +109,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
     )
     parser.add_argument("--plan", required=True, metavar="PATH", help="plan JSON file")
     parser.add_argument("--steps", type=int, default=5, metavar="K", help="training steps")
-    parser.add_argument("--store", default=DEFAULT_STORE_URL, metavar="URL", help="store URL")
+    parser.add_argument(
+        "--store",
+        metavar="URL",
+        help=f"SQLAlchemy URL of the store {STORE_URL_HELP}; `hexiseq run` sets the environment, "
+        "so no password shows in a command line",
+    )
     parser.add_argument("--no-store", action="store_true", help="record nothing")
     parser.add_argument("--seed", type=int, default=0, help="parameter and token seed")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
@@ -134,7 +140,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
     return TrainOptions(
         plan_path=args.plan,
         steps=args.steps,
-        store_url=None if args.no_store else args.store,
+        store_url=None if args.no_store else store_url_from(args.store),
         seed=args.seed,
         learning_rate=args.lr,
         device=args.device,
@@ -304,6 +310,19 @@ def step_tokens(plan: Plan, seed: int, step: int) -> torch.Tensor:
     return torch.randint(0, plan.model.vocab, shape, generator=generator)
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off during a step, run once before it: collections
+    then never pause a step at a random moment, and what a step holds does not depend on
+    when one happens (as torchtitan's training loop does)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def measure_step(
     plan: Plan,
     options: TrainOptions,
@@ -326,7 +345,8 @@ def measure_step(
         torch.cuda.synchronize(context.device)
         events[0].record()
     began = time.perf_counter()
-    loss = run_step(plan, context, model, optimizer, padding, tokens, positions, sharded)
+    with collector_paused():
+        loss = run_step(plan, context, model, optimizer, padding, tokens, positions, sharded)
     own_end = time.perf_counter()
     if cuda:
         events[1].record()

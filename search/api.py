@@ -12,6 +12,7 @@ from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.baselines import all_baselines
 from hexiseq.search.optuna_layer import run_study
+from hexiseq.store import parse_database_url
 from hexiseq.units import parse_seq_len
 
 
@@ -118,6 +119,11 @@ def _checkpointing_options(activation_checkpointing: bool | None) -> tuple[bool,
     return (bool(activation_checkpointing),)
 
 
+_STORAGE_URLS = (
+    "give a SQLAlchemy URL such as sqlite:///optuna.db or postgresql://USER:PASSWORD@HOST/DB"
+)
+
+
 def _check_options(time_budget_s, n_trials, workers, storage) -> None:
     if time_budget_s is not None and time_budget_s <= 0:
         raise InputError(f"time budget must be positive seconds (got {time_budget_s})")
@@ -127,6 +133,8 @@ def _check_options(time_budget_s, n_trials, workers, storage) -> None:
         raise InputError(f"workers must be at least 1 (got {workers})")
     if workers > 1 and storage is None:
         raise InputError("several workers share a study through storage=; give a storage URL")
+    if storage is not None:  # a URL Optuna cannot parse: one line, its password masked
+        parse_database_url(storage, "storage URL", _STORAGE_URLS)
 
 
 def _trial(params: dict, candidate: Plan | InfeasiblePlan) -> Trial:

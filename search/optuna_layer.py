@@ -22,7 +22,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import optuna
+from sqlalchemy.exc import ArgumentError
 
+from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import (
@@ -35,6 +37,7 @@ from hexiseq.search.greedy import (
     greedy_candidates,
 )
 from hexiseq.search.hierarchy import plan_for_choices
+from hexiseq.store import display_url, mask_url_passwords
 
 INFEASIBLE_SCORE = 0.0
 POLISH_MAX_EVALUATIONS = 64
@@ -279,13 +282,20 @@ def _score_greedy(study, objective: _Objective) -> int:
 def _create_study(storage: str | None, name: str, seed: int, multi_objective: bool):
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
     directions = ["maximize", "maximize"] if multi_objective else ["maximize"]
-    return optuna.create_study(
-        storage=storage,
-        study_name=name,
-        sampler=sampler,
-        directions=directions,
-        load_if_exists=True,
-    )
+    try:
+        return optuna.create_study(
+            storage=storage,
+            study_name=name,
+            sampler=sampler,
+            directions=directions,
+            load_if_exists=True,
+        )
+    except (ArgumentError, ImportError) as error:
+        # SQLAlchemy's message repeats the URL, password and all: one masked line instead.
+        reason = mask_url_passwords((str(error).splitlines() or [type(error).__name__])[0])
+        raise InputError(
+            f"storage URL {display_url(str(storage))!r} is not usable: {reason}"
+        ) from None
 
 
 def _default_study_name(problem: Problem, multi_objective: bool) -> str:

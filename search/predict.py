@@ -21,10 +21,7 @@ from hexiseq.costmodel import CostModel, DatasheetCostModel, simulate_step
 from hexiseq.errors import InputError
 from hexiseq.plan import Plan, Prediction
 from hexiseq.search._evaluate import plan_prediction
-from hexiseq.store import Store
-
-STORE_URL_ENV = "HEXISEQ_STORE_URL"
-"""Where `predict` finds the store when none is given."""
+from hexiseq.store import STORE_URL_ENV, Store, display_url
 
 _COST_MODEL_METHODS = ("label", "gemm_time_s", "attention_time_s", "transfer_time_s")
 _SQLITE_FILE_URL = re.compile(r"^sqlite(\+\w+)?:///([^?]+)")
@@ -126,6 +123,6 @@ def _check_sqlite_file_exists(url: str) -> None:
     path = Path(match.group(2))
     if not path.is_file():
         raise InputError(
-            f"store {url}: no such SQLite file {path}; give the store that holds the fitted "
-            "model (`hexiseq fit --store URL` makes one)"
+            f"store {display_url(url)}: no such SQLite file {path}; give the store that holds "
+            "the fitted model (`hexiseq fit --store URL` makes one)"
         )

@@ -10,14 +10,16 @@ import streamlit as st
 from hexiseq.dashboard import _session
 from hexiseq.dashboard.views import throughput as views
 from hexiseq.errors import HexiseqError
+from hexiseq.store import display_url, mask_url_passwords
 
 RUN_HINT = (
     "No runtime runs in the store. Write a plan with `hexiseq plan ... --out plan.json`, then "
     "`hexiseq run --plan plan.json --steps 5 --store <this store's URL>`."
 )
 STUDY_HINT = (
-    "Give the Optuna storage URL of a study, e.g. one kept by `hexiseq plan ... --trials 40 "
-    "--storage sqlite:///optuna.db`, or run a search on the What-if page."
+    "Studies kept by `hexiseq plan ... --trials 40 --storage <this store's URL>` show here, and "
+    "those of the storage given to `hexiseq dashboard --optuna-storage URL`; or run a search on "
+    "the What-if page."
 )
 
 
@@ -47,20 +49,24 @@ def _whatif_search() -> None:
 def _stored_study() -> None:
     import optuna
 
-    # Studies kept with `--storage` in the store's own database show up by default.
-    storage = st.text_input(
-        "Optuna storage URL", value=_session.store_url(), key="optuna_storage"
-    ).strip()
-    if not storage:
-        st.info(STUDY_HINT)
-        return
+    # Only what the operator configured, never a typed URL: a visitor must not make the app
+    # open (or create) a database of their choosing. The store's own database comes first.
+    storages = _session.optuna_storages()
+    choice = st.selectbox(
+        "Optuna storage",
+        list(storages),
+        format_func=_session.optuna_storage_label,
+        key="optuna_storage",
+    )
+    storage, shown = storages[choice], display_url(storages[choice])
     try:
         names = optuna.study.get_all_study_names(storage=storage)
     except Exception as error:  # optuna raises many kinds for a bad URL; say it in one line
-        st.error(f"Cannot read Optuna storage {storage}: {str(error).splitlines()[0]}")
+        reason = mask_url_passwords((str(error).splitlines() or [type(error).__name__])[0])
+        st.error(f"Cannot read Optuna storage {shown}: {reason}")
         return
     if not names:
-        st.info(f"No studies in {storage}.")
+        st.info(f"No studies in {shown}. {STUDY_HINT}")
         return
     name = st.selectbox("Study", names, key="optuna_study")
     values = views.study_values(optuna.load_study(study_name=name, storage=storage).trials)
@@ -118,7 +124,7 @@ def main() -> None:
     st.subheader("Search: Optuna history and Pareto front")
     if selected is not None and selected.source == "what-if search":
         _whatif_search()
-    with st.expander("Optuna study from a storage URL", expanded=True):
+    with st.expander("Optuna study from a configured storage", expanded=True):
         _stored_study()
     _runs()
 

@@ -96,7 +96,8 @@ def _show(entry: dict) -> None:
     st.plotly_chart(plan_views.segments_figure(result.best), key="whatif_segments")
     if st.button("Save the plan and its baselines to the store", key="whatif_save"):
         plan_id = _session.save_result(result)
-        st.success(f"Saved to {_session.store_url()} as plan {plan_id} (baselines beside it).")
+        shown = _session.shown_store_url()
+        st.success(f"Saved to {shown} as plan {plan_id} (baselines beside it).")
 
 
 def main() -> None:

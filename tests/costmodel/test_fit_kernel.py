@@ -62,3 +62,21 @@ def test_a_plan_on_the_profiled_gpu_is_simulated_with_cudnn_attention(h100_model
     assert rank.linear_s != datasheet_rank.linear_s  # the GEMMs are the profile's
     assert rank.attention_s > 0
     assert rank.attention_s == pytest.approx(datasheet_rank.attention_s, rel=1e-9)
+
+
+def test_a_family_profiled_with_two_kernels_fits_its_newest_runs_kernel():
+    """Re-profiling after the rule changed (flash rows, then cuDNN rows) keeps the family:
+    the newest run's kernel's rows, not a family dropped for mixing kernels."""
+    from types import SimpleNamespace
+
+    from hexiseq.costmodel.fit import _newest_kernel_only
+
+    def row(kernel):
+        return SimpleNamespace(op="attention_fwd", extra={"kernel": kernel})
+
+    members = [(1, row("flash")), (1, row("flash")), (2, row("cudnn")), (2, row("cudnn"))]
+    kept = _newest_kernel_only(members)
+    assert [run for run, _ in kept] == [2, 2]
+    assert {m.extra["kernel"] for _, m in kept} == {"cudnn"}
+    same = members[:2]
+    assert _newest_kernel_only(same) == same

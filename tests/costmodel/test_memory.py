@@ -94,12 +94,12 @@ def test_the_autocast_recipe_keeps_fp32_weights_and_stream():
     assert m.checkpoints == 3 * 1600 * 64 * 4
     linear = 36_992 - 2 * 64
     assert m.weight_cache == 3 * linear * 2
-    assert m.head_activations == 1600 * (64 * 4 + 4)  # the final norm's (FP32 input)
-    assert m.logits == 1600 * 64 * 4  # its FP32 output, held by the train loop
-    # The loss casts the FP32 head weight (bf16 copy) and each chunk's FP32 hidden rows to
-    # bf16; its weight gradient stays FP32.
-    chunk = 1600 * 64 * 2 + 1600 * 100 * (2 + 4)
-    assert m.loss_transients == 1600 * 64 * 4 + 100 * 64 * 4 + 100 * 64 * 2 + chunk
+    # The final norm's saved tensors (FP32 input: no upcast), its bf16 output saved by the
+    # head and autocast's bf16 head weight copy; then every logit in bf16, upcast to FP32 by
+    # the loss (log-softmax saved, its gradient, the logits' gradient: 12 B each).
+    assert m.head_activations == 1600 * (64 * 4 + 4) + 1600 * 64 * 2 + 100 * 64 * 2
+    assert m.logits == 1600 * 100 * 2
+    assert m.loss_transients == 1600 * 100 * 12
     assert m.head_gradients == 100 * 64 * 4
 
 

@@ -21,17 +21,19 @@ def test_command_binds_streamlit_to_localhost_and_passes_the_store(monkeypatch, 
     monkeypatch.setattr(
         _cli_dashboard.subprocess,
         "run",
-        lambda command, check: started.append(command) or subprocess.CompletedProcess(command, 0),
+        lambda command, env, check: (
+            started.append((command, env)) or subprocess.CompletedProcess(command, 0)
+        ),
     )
     url = f"sqlite:///{tmp_path / 'x.db'}"
     assert main(["dashboard", "--store", url, "--port", "8123"]) == 0
-    (command,) = started
+    ((command, env),) = started
     assert command[:4] == [sys.executable, "-m", "streamlit", "run"]
     assert Path(command[4]) == ROOT / "dashboard" / "app.py"
     assert command[command.index("--server.address") + 1] == "127.0.0.1"
     assert command[command.index("--server.port") + 1] == "8123"
     assert command[command.index("--server.headless") + 1] == "true"
-    assert command[-3:] == ["--", "--store", url]
+    assert env["HEXISEQ_STORE_URL"] == url and url not in command  # argv is public
 
 
 def test_bad_store_url_is_one_line_and_exit_2(capsys):

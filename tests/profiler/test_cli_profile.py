@@ -91,7 +91,7 @@ def test_shared_options_work_before_or_after_links(argv: list[str]) -> None:
 
     args = build_parser().parse_args(argv)
     assert (args.profile_target, args.quick, args.device, args.nproc) == ("links", True, "cuda", 2)
-    assert args.store == "sqlite:///hexiseq.db" and args.threads is None
+    assert args.store is None and args.threads is None  # main(): $HEXISEQ_STORE_URL or default
 
 
 def test_profile_without_links_has_compute_defaults() -> None:

@@ -143,3 +143,34 @@ def test_train_refuses_a_world_size_that_does_not_match_the_plan(tmp_path, monke
     plan.to_json(tmp_path / "plan.json")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert train.main(["--plan", str(tmp_path / "plan.json"), "--no-store"]) == 2
+
+
+def test_padding_slows_the_sharded_models_layers_as_the_plain_ones():
+    """Sharded states bind each layer's weight per forward instead of owning a parameter:
+    the emulated slowdown still pads every linear and norm (not only attention)."""
+    from hexiseq.runtime.sharding import shard_model_states
+
+    spec = ModelSpec.preset("tiny")
+    plain = build_model(spec, LocalAttention())
+    sharded = build_model(spec, LocalAttention(), device="meta")
+    shard_model_states(sharded, seed=0, device="cpu")
+    hooked = [len(ComputePadding(m, 2.0)._handles) for m in (plain, sharded)]
+    assert hooked[0] == hooked[1] == 4 * (7 * spec.layers + 2 * spec.layers + 2)
+
+
+def test_a_collective_inside_a_compute_phase_is_not_padded():
+    """A layer's backward may wait on its unit's all-gather (`sharding`): that wait is not
+    compute, so a slower emulated device pads only the compute around it."""
+    from hexiseq.runtime._emulation import communication_phase
+
+    model = build_model(ModelSpec.preset("tiny"), LocalAttention())
+    padding = ComputePadding(model, 2.0)
+    with compute_phase():
+        began = time.perf_counter()
+        while time.perf_counter() - began < 0.01:  # 10 ms of "compute"
+            pass
+        with communication_phase():
+            time.sleep(0.2)  # 200 ms waiting on peers
+    padding.flush()
+    padding.remove()
+    assert 0.01 <= padding.padded_s < 0.1  # the compute's 10 ms, not the 200 ms wait
