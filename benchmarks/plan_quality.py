@@ -40,9 +40,10 @@ from hexiseq.search.greedy import (
     greedy_candidates,
     nodes_by_name,
     order_ring,
+    speed_by_type,
     split_heads,
 )
-from hexiseq.search.hierarchy import _speed_by_type, plan_for_choices
+from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.local_milp import solve_local
 from hexiseq.search.optuna_layer import quantum_choices
 from hexiseq.units import format_tokens
@@ -255,7 +256,7 @@ def in_hierarchy_space(problem: Problem, winner: Candidate) -> str:
     if not all(degrees.values()):
         return "groups: no (needs per-node cuts)"
     choice = {gpu: min(options) for gpu, options in degrees.items()}
-    speeds = _speed_by_type(problem, attention_speeds(problem))
+    speeds = speed_by_type(problem.cluster, attention_speeds(problem))
     groups = form_groups(cluster, choice)
     strategies = [s for s in RING_ORDERS if _same_cycle(cluster, groups, s, speeds, winner)]
     return f"groups: yes; order: {', '.join(strategies) if strategies else 'no'}"

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel import CostModel, StepPrediction, estimate_memory, simulate_step
 from hexiseq.costmodel.base import memory_calibrations
-from hexiseq.costmodel.memory import memory_limit_bytes
+from hexiseq.costmodel.memory import even_state_fractions, memory_limit_bytes
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import InfeasiblePlan, Plan, Prediction, RankAssignment, RankPrediction
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -26,18 +28,54 @@ class Problem:
     # Activation checkpointing the search may use: (False, True) lets it drop the recompute
     # wherever memory allows; one value forces it.
     checkpointing_options: tuple[bool, ...] = (False, True)
+    # What one search computes more than once (simulations, memory estimates, busy rates,
+    # memory rows), keyed by everything it depends on: `dataclasses.replace` copies share it.
+    cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """`compute()` once per `key` for this search."""
+        if key not in self.cache:
+            self.cache[key] = compute()
+        return self.cache[key]
 
     def limits(self) -> list[int]:
-        return [
-            memory_limit_bytes(self.cluster.gpu(r).memory_bytes)
-            for r in range(self.cluster.world_size)
-        ]
+        return self.memo(
+            "limits",
+            lambda: [
+                memory_limit_bytes(self.cluster.gpu(r).memory_bytes)
+                for r in range(self.cluster.world_size)
+            ],
+        )
+
+
+def simulated(
+    problem: Problem, layout: AttentionLayout, fractions: Sequence[float] | None = None
+) -> StepPrediction:
+    """`simulate_step` of `layout` under `problem`, once per search."""
+    if fractions is None:
+        fractions = even_state_fractions(layout.world_size)
+    fractions = tuple(fractions)
+    return problem.memo(
+        ("simulate", problem.train, layout, fractions),
+        lambda: simulate_step(
+            problem.cluster, problem.model, problem.train, layout, problem.cost, fractions
+        ),
+    )
 
 
 def memory_shortfall(
     problem: Problem, layout: AttentionLayout, fractions: Sequence[float]
 ) -> dict[int, int]:
     """Bytes by which each over-limit rank exceeds 95 % of its memory."""
+    return problem.memo(
+        ("shortfall", problem.train, layout, tuple(fractions)),
+        lambda: _shortfall(problem, layout, fractions),
+    )
+
+
+def _shortfall(
+    problem: Problem, layout: AttentionLayout, fractions: Sequence[float]
+) -> dict[int, int]:
     calibrations = memory_calibrations(problem.cost, problem.cluster.gpu_types)
     memory = estimate_memory(
         problem.cluster, problem.model, problem.train, layout, fractions, calibrations
@@ -60,9 +98,7 @@ def evaluate(
     missing = memory_shortfall(problem, layout, fractions)
     if missing:
         return out_of_memory(name, missing)
-    prediction = simulate_step(
-        problem.cluster, problem.model, problem.train, layout, problem.cost, fractions
-    )
+    prediction = simulated(problem, layout, fractions)
     return build_plan(problem, layout, fractions, name, knobs, prediction)
 
 

@@ -51,6 +51,19 @@ def nodes_by_name(cluster: Cluster) -> dict[str, list[int]]:
     return nodes
 
 
+@lru_cache(maxsize=64)
+def _ranks_by_node(cluster: Cluster) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(ranks) for name, ranks in nodes_by_name(cluster).items()}
+
+
+def speed_by_type(cluster: Cluster, speeds: Sequence[float]) -> dict[str, float]:
+    """The fastest rank's attention speed of each GPU type."""
+    by_type: dict[str, float] = {}
+    for device, speed in zip(cluster.devices, speeds):
+        by_type[device.gpu] = max(by_type.get(device.gpu, 0.0), speed)
+    return by_type
+
+
 def candidate_hp_degrees(cluster: Cluster, model: ModelSpec, gpu: str) -> list[int]:
     """HP degrees worth trying for one GPU type: 1 up to its largest node (at most the head
     count); a degree that does not divide a node leaves a smaller last group there."""
@@ -115,8 +128,9 @@ def greedy_candidates(
 def form_groups(cluster: Cluster, hp_degrees: dict[str, int]) -> dict[str, list[Group]]:
     """HP groups of each node: consecutive ranks, `hp_degrees[gpu]` at a time."""
     groups = {}
+    ranks_of = _ranks_by_node(cluster)
     for node in cluster.nodes:
-        ranks = nodes_by_name(cluster)[node.name]
+        ranks = ranks_of[node.name]
         degree = hp_degrees[node.gpu]
         groups[node.name] = [tuple(ranks[i : i + degree]) for i in range(0, len(ranks), degree)]
     return groups

@@ -2,48 +2,29 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from hexiseq.costmodel.memory import even_state_fractions
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem, evaluate, memory_shortfall, out_of_memory
-from hexiseq.search.greedy import (
-    GlobalChoices,
-    attention_speeds,
-    chunk_quantum,
-    form_groups,
-    order_ring,
-    split_heads,
-)
+from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.local_milp import solve_local
+from hexiseq.search.screen import group_rates, grouping, resolved_quantum, with_checkpointing
 
 PLAN_NAME = "hexiseq"
 
 
 def plan_for_choices(problem: Problem, choices: GlobalChoices) -> Plan | InfeasiblePlan:
     """The plan the hierarchy builds for one set of global choices, scored by the simulator."""
-    problem = replace(
-        problem,
-        train=replace(problem.train, activation_checkpointing=choices.activation_checkpointing),
-    )
-    quantum = choices.chunk_quantum or chunk_quantum(
-        problem.train.seq_len, problem.cluster.world_size
-    )
+    problem = with_checkpointing(problem, choices.activation_checkpointing)
+    quantum = resolved_quantum(problem, choices)
     if problem.train.seq_len % (2 * quantum):
         return InfeasiblePlan(
             PLAN_NAME, f"seq_len is not a multiple of 2 x chunk quantum {quantum}"
         )
-    speeds = attention_speeds(problem)
-    groups = order_ring(
-        problem.cluster,
-        form_groups(problem.cluster, choices.hp_degrees),
-        choices.ring_order,
-        _speed_by_type(problem, speeds),
-    )
+    groups, heads = grouping(problem, choices)
     if sum(len(g) for g in groups) * 2 * quantum > problem.train.seq_len:
         return InfeasiblePlan(PLAN_NAME, "the sequence is too short for one quantum per rank")
-    heads = [split_heads(problem.model.heads, [speeds[r] for r in g]) for g in groups]
-    solution = solve_local(problem, groups, heads, quantum)
+    rates = group_rates(problem, groups, heads, quantum)
+    solution = solve_local(problem, groups, heads, quantum, rates)
     if solution.layout is None:
         return out_of_memory(PLAN_NAME, solution.missing_bytes or {})
     fractions, sharding = _state_fractions(problem, solution.layout, solution.state_fractions)
@@ -58,13 +39,6 @@ def _state_fractions(problem: Problem, layout, milp_fractions) -> tuple[list[flo
     if not memory_shortfall(problem, layout, even):
         return even, "even"
     return list(milp_fractions), "MILP (by memory): even shares do not fit"
-
-
-def _speed_by_type(problem: Problem, speeds: list[float]) -> dict[str, float]:
-    by_type: dict[str, float] = {}
-    for device, speed in zip(problem.cluster.devices, speeds):
-        by_type[device.gpu] = max(by_type.get(device.gpu, 0.0), speed)
-    return by_type
 
 
 def _knobs(choices: GlobalChoices, groups, quantum: int) -> dict:

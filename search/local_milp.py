@@ -31,16 +31,17 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
-from hexiseq.costmodel import memory_limit_bytes, simulate_step
+from hexiseq.costmodel import memory_limit_bytes
 from hexiseq.costmodel.memory import RankShape, rank_memory
 from hexiseq.layout import AttentionLayout, apportion, build_zigzag_layout
-from hexiseq.search._evaluate import Problem
+from hexiseq.search._evaluate import Problem, simulated
 
 Group = tuple[int, ...]
 RELINEARIZATIONS = 2
 MILP_TIME_LIMIT_S = 2.0
 MILP_RELATIVE_GAP = 1e-6
 TIME_TOLERANCE = 1e-4  # the headroom stage may give up this much step time
+BISECTION_TOLERANCE = 1e-7  # relative width at which the integer step-time search stops
 
 
 @dataclass(frozen=True)
@@ -62,24 +63,151 @@ class _Class:
 
 
 def solve_local(
-    problem: Problem, groups: list[Group], heads: list[list[int]], quantum: int
+    problem: Problem,
+    groups: list[Group],
+    heads: list[list[int]],
+    quantum: int,
+    rates: list[GroupRates] | None = None,
 ) -> LocalSolution:
-    """Best segment lengths, token shares and state shares for fixed groups and heads."""
+    """Best segment lengths, token shares and state shares for fixed groups and heads.
+
+    `rates` (busy seconds per segment token of each member, `search.screen`) stand in for
+    the first linearization's simulation of the even layout when given."""
     classes = _classes(problem, groups, heads)
     total_units = problem.train.seq_len // (2 * quantum)
     units = _even_units(groups, total_units)
+    model = _Model(problem, groups, heads, classes, quantum)
     solution = LocalSolution(None)
-    for _ in range(RELINEARIZATIONS):
-        layout = _layout(problem, groups, heads, quantum, units)
-        model = _Model(problem, groups, classes, layout, quantum)
-        found = model.solve(_time_coefficients(problem, layout, groups, classes, quantum))
+    for round_ in range(RELINEARIZATIONS):
+        if round_ == 0 and rates is not None:
+            times = _class_times(classes, rates, quantum)
+        else:
+            layout = _layout(problem, groups, heads, quantum, units)
+            times = _time_coefficients(problem, layout, classes, quantum)
+        found = model.solve(times)
         if found is None:
             return LocalSolution(None, missing_bytes=model.missing_bytes())
         class_units, fractions = found
-        units = _group_units(classes, class_units, total_units, len(groups))
+        new_units = _group_units(classes, class_units, total_units, len(groups))
+        if new_units == units and solution.layout is not None:
+            break  # the secants are where they were: solving again changes nothing
+        units = new_units
         solved = _layout(problem, groups, heads, quantum, units)
         solution = LocalSolution(solved, _rank_fractions(groups, classes, fractions))
     return solution
+
+
+def relaxed_step_s(
+    problem: Problem,
+    groups: list[Group],
+    heads: list[list[int]],
+    quantum: int,
+    rates: list[GroupRates],
+) -> float | None:
+    """The LP relaxation's busy step seconds for these groups under `rates` (a lower bound of
+    the local MILP's), or None when no split fits in memory."""
+    classes = _classes(problem, groups, heads)
+    model = _Model(problem, groups, heads, classes, quantum)
+    return model.relaxed_step_s(_class_times(classes, rates, quantum))
+
+
+def even_layout(problem: Problem, groups: list[Group], heads, quantum: int):
+    """Segments in proportion to group size (the first linearization's point); None when the
+    sequence is too short for one quantum per rank."""
+    try:
+        units = _even_units(groups, problem.train.seq_len // (2 * quantum))
+    except ValueError:
+        return None
+    return _layout(problem, groups, heads, quantum, units)
+
+
+@dataclass(frozen=True)
+class GroupRates:
+    """What a simulation says of one group's members: busy seconds per segment token (the
+    parts that grow with the load) and the seconds that do not (exposed sharding
+    communication, optimizer, launch overhead), each [member]. Exposed ring communication
+    is neither: `_ring_rates` bounds it from the ring's traffic instead."""
+
+    per_token_s: np.ndarray
+    fixed_s: np.ndarray
+
+
+def rates_of(prediction, layout: AttentionLayout) -> list[GroupRates]:
+    """Each group's rates in a simulated step of `layout`."""
+    busy = np.array([_busy(part) for part in prediction.rank_times])
+    fixed = (
+        np.array(
+            [
+                part.step_s - part.idle_s - part.ring_exposed_comm_s
+                for part in prediction.rank_times
+            ]
+        )
+        - busy
+    )
+    return [
+        GroupRates(busy[list(group)] / layout.segment_length(position), fixed[list(group)])
+        for position, group in enumerate(layout.groups)
+    ]
+
+
+def _busy(part) -> float:
+    return (
+        part.attention_s
+        + part.all_to_all_s
+        + part.linear_s
+        + part.elementwise_s
+        + part.cast_s
+        + part.loss_s
+    )  # fmt: skip  (the parts that grow with the tokens)
+
+
+def _class_times(classes: list[_Class], rates: list[GroupRates], quantum: int) -> list:
+    """Per class: (seconds per segment unit, fixed seconds) of each member, the slowest
+    group of the class speaking for it."""
+    times = []
+    for cls in classes:
+        per_unit, fixed = np.zeros(cls.size), np.zeros(cls.size)
+        for position in cls.positions:
+            per_unit = np.maximum(per_unit, rates[position].per_token_s * 2 * quantum)
+            fixed = np.maximum(fixed, rates[position].fixed_s)
+        times.append((per_unit, fixed))
+    return times
+
+
+def _ring_rates(problem: Problem, groups: list[Group], heads, classes: list[_Class]) -> list:
+    """Per class, per member: seconds per token of the *other* groups' segments that the
+    ring moves into it in one step (K/V blocks in the compute dtype forward, again for the
+    recompute and the backward, and the FP32 dK/dV accumulators), over the link from the
+    previous group. Ring steps overlap compute and communication, so a member's step takes
+    at least that long whatever its own load: the bound the busy rows miss where a slow link
+    feeds a fast group."""
+    if len(groups) == 1:
+        return [np.zeros(cls.size) for cls in classes]
+    model, train, cluster = problem.model, problem.train, problem.cluster
+    bandwidth = problem.memo("links", lambda: problem.cost.link_parameters(cluster))[0]
+    node_index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    kv_passes = 3 if train.activation_checkpointing else 2
+    per_head_bytes = 2 * model.head_dim * (kv_passes * train.compute_dtype_bytes + 4)
+    repeats = model.layers * train.micro_batches
+    ratio = model.heads // model.kv_heads
+    sample_bytes = float(2**30)
+    rates = []
+    for cls in classes:
+        per_member = np.zeros(cls.size)
+        for position in cls.positions:
+            receiver, sender = groups[position][0], groups[position - 1][0]
+            nodes = cluster.devices[sender].node, cluster.devices[receiver].node
+            link_GBps = bandwidth[node_index[nodes[0]], node_index[nodes[1]]]
+            seconds_per_byte = problem.cost.transfer_time_s(sample_bytes, link_GBps, 0.0)
+            seconds_per_byte /= sample_bytes
+            starts = np.concatenate([[0], np.cumsum(heads[position])[:-1]])
+            for m, (start, count) in enumerate(zip(starts, heads[position])):
+                kv_in = -(-(start + count) // ratio) - start // ratio
+                kv_out = -(-model.kv_heads // len(groups[position - 1]))
+                moved = max(kv_in, kv_out) * per_head_bytes * repeats
+                per_member[m] = max(per_member[m], moved * seconds_per_byte)
+        rates.append(per_member)
+    return rates
 
 
 def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
@@ -146,50 +274,69 @@ def _layout(problem, groups, heads, quantum, units: list[int]) -> AttentionLayou
     )
 
 
-def _time_coefficients(problem, layout, groups, classes, quantum: int) -> list[np.ndarray]:
-    """Per class, per member: busy seconds per segment unit of its group (the member's even
-    token share moves with the segment). The slowest group of a class speaks for it."""
-    prediction = simulate_step(problem.cluster, problem.model, problem.train, layout, problem.cost)
-    coefficients = []
-    for cls in classes:
-        per_member = np.zeros(cls.size)
-        for position in cls.positions:
-            units = layout.segment_length(position) / (2 * quantum)
-            for index, rank in enumerate(groups[position]):
-                part = prediction.rank_times[rank]
-                busy = (
-                    part.attention_s
-                    + part.all_to_all_s
-                    + part.linear_s
-                    + part.elementwise_s
-                    + part.cast_s
-                    + part.loss_s
-                )  # fmt: skip  (the parts that grow with the tokens)
-                per_member[index] = max(per_member[index], busy / units)
-        coefficients.append(per_member)
-    return coefficients
+def _time_coefficients(problem, layout, classes, quantum: int) -> list:
+    """`_class_times` from a simulation of `layout` (a secant through zero at its loads)."""
+    return _class_times(classes, rates_of(simulated(problem, layout), layout), quantum)
 
 
 class _Model:
     """Builds and solves the class-level MILP; also its memory-slack variant."""
 
-    def __init__(self, problem, groups, classes, layout, quantum) -> None:
+    def __init__(self, problem, groups, heads, classes, quantum) -> None:
         self.problem, self.groups, self.classes = problem, groups, classes
-        self.layout, self.quantum = layout, quantum
+        self.quantum = quantum
+        self.ring = _ring_rates(problem, groups, heads, classes)
         self.total_units = problem.train.seq_len // (2 * quantum)
         self.multi_group = len(groups) > 1
         self.memory = [self._member_memory(cls) for cls in classes]
-        sizes = [len(c.heads) for c in classes]
+        # Members of a class with the same memory rows are interchangeable: one state-share
+        # column and one set of memory rows for all of them (`kinds[c][member]`).
+        self.kinds = [_kinds_of(members) for members in self.memory]
         self.u = np.arange(len(classes))
-        starts = len(classes) + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int)
-        self.f = [start + np.arange(size) for start, size in zip(starts, sizes)]
-        self.largest = len(classes) + sum(sizes)
+        column = len(classes)
+        self.f = []
+        for kinds in self.kinds:
+            self.f.append(column + np.array(kinds))
+            column += max(kinds) + 1
+        self.largest = column
         self.step = self.largest + 1
         self.utilization = self.step + 1
         self.size = self.utilization + 1
 
     def solve(self, times: list[np.ndarray]):
-        """(units per class, state share per class member), or None if nothing fits."""
+        """(units per class, state share per class member), or None if nothing fits.
+
+        The LP relaxation first (min step time, then the most headroom within
+        TIME_TOLERANCE of it). For its state shares and largest block the memory rows are
+        per-class unit ceilings, and the integer problem left is one-dimensional in the
+        step time: `_fastest_units` solves it exactly, and an LP re-solves the state shares
+        and headroom for those units. Branch and bound runs only where that finds no split
+        (the relaxed shares leave no integer room)."""
+        rows = _Rows()
+        self._time_rows(rows, times)
+        self._sum_rows(rows)
+        self._memory_rows(rows, slack=None)
+        fastest = self._run(rows, self.step, relaxed=True)
+        if fastest is None:  # the relaxation is infeasible, so is every integer split
+            return None
+        bound_s = fastest[self.step]
+        rows.add({self.step: 1.0}, -np.inf, bound_s * (1 + TIME_TOLERANCE))
+        roomiest = self._run(rows, self.utilization, relaxed=True)
+        relaxed = roomiest if roomiest is not None else fastest
+        rounded = self._rounded(rows, relaxed, times, bound_s)
+        if rounded is not None:
+            return self._answer(rounded)
+        return self._branch_and_bound(times)
+
+    def relaxed_step_s(self, times: list) -> float | None:
+        rows = _Rows()
+        self._time_rows(rows, times)
+        self._sum_rows(rows)
+        self._memory_rows(rows, slack=None)
+        fastest = self._run(rows, self.step, relaxed=True)
+        return None if fastest is None else float(fastest[self.step])
+
+    def _branch_and_bound(self, times: list[np.ndarray]):
         rows = _Rows()
         self._time_rows(rows, times)
         self._sum_rows(rows)
@@ -199,9 +346,66 @@ class _Model:
             return None
         rows.add({self.step: 1.0}, -np.inf, fastest[self.step] * (1 + TIME_TOLERANCE))
         roomiest = self._run(rows, self.utilization)
-        x = roomiest if roomiest is not None else fastest
+        return self._answer(roomiest if roomiest is not None else fastest)
+
+    def _answer(self, x):
         units = [int(round(x[c])) for c in self.u]
         return units, [list(x[columns]) for columns in self.f]
+
+    def _rounded(self, rows, relaxed, times, bound_s: float):
+        """The fastest integer units for the relaxed answer's state shares and largest block
+        (`_fastest_units`), the state shares and headroom re-solved for them; None when no
+        integer split fits those memory ceilings."""
+        units = self._fastest_units(times, self._unit_ceilings(relaxed), bound_s)
+        if units is None:
+            return None
+        lower, upper = self._bounds().lb.copy(), self._bounds().ub.copy()
+        lower[self.u] = upper[self.u] = units
+        rows = _Rows.without_last(rows)  # the time tolerance row: the units set the time
+        result = milp(
+            self._objective(self.utilization),
+            constraints=rows.constraint(self.size),
+            bounds=Bounds(lower, upper),
+            options={"time_limit": MILP_TIME_LIMIT_S},
+        )
+        if result.x is None:
+            return None
+        x = result.x.copy()
+        x[self.step] = float(np.max(self._finish_s(times, units)))
+        return x
+
+    def _fastest_units(self, times, ceilings: np.ndarray, bound_s: float) -> np.ndarray | None:
+        """Integer units per class minimizing the step time under fixed memory ceilings:
+        at a step time T each class may take between the units its ring traffic needs and
+        the units its members finish by T (and its ceiling allows); the least T at which
+        those ranges can cover the sequence is found by bisection from the LP's bound, and
+        the units taken at it are trimmed (slowest class first) to the sequence's length."""
+        counts = np.array([len(cls.positions) for cls in self.classes], dtype=float)
+        need = self.total_units - counts.sum()  # leftover units go one per group
+        ranges = _UnitRanges(self, times, np.floor(ceilings + 1e-9))
+
+        def feasible(step_s: float) -> bool:
+            low, high = ranges.at(step_s)
+            return bool(
+                np.all(low <= high) and high @ counts >= need and low @ counts <= self.total_units
+            )
+
+        high_s = max(bound_s, 1e-12)
+        for _ in range(64):
+            if feasible(high_s):
+                break
+            high_s *= 2.0
+        else:
+            return None
+        low_s = bound_s * (1 - 1e-9)
+        while high_s - low_s > BISECTION_TOLERANCE * high_s:
+            middle = 0.5 * (low_s + high_s)
+            low_s, high_s = (low_s, middle) if feasible(middle) else (middle, high_s)
+        low, units = ranges.at(high_s)
+        while units @ counts > self.total_units:
+            finish = np.where(units - 1 >= low, self._finish_s(times, units), -np.inf)
+            units[int(np.argmax(finish))] -= 1
+        return units
 
     def missing_bytes(self) -> dict[int, int]:
         """Bytes each rank lacks in the least-short split: slack on every memory row."""
@@ -224,23 +428,44 @@ class _Model:
     def _missing_by_rank(self, slack, values) -> dict[int, int]:
         missing = {}
         for (c, member), value in zip(slack, values):
+            same = [m for m, kind in enumerate(self.kinds[c]) if kind == self.kinds[c][member]]
             for position in self.classes[c].positions:
-                rank = self.groups[position][member]
-                lack = int(np.ceil(value * self.problem.cluster.gpu(rank).memory_bytes))
-                if lack > 0:
-                    missing[rank] = lack
+                for rank in (self.groups[position][m] for m in same):
+                    lack = int(np.ceil(value * self.problem.cluster.gpu(rank).memory_bytes))
+                    if lack > 0:
+                        missing[rank] = lack
         return missing
 
-    def _time_rows(self, rows, times: list[np.ndarray]) -> None:
-        for c, per_member in enumerate(times):
-            for seconds_per_unit in per_member:
-                rows.add({int(self.u[c]): seconds_per_unit, self.step: -1.0}, -np.inf, 0.0)
+    def _time_rows(self, rows, times) -> None:
+        """T >= busy + fixed, and T >= ring traffic in + fixed, for every member."""
+        total_tokens = float(self.problem.train.seq_len)
+        block = 2.0 * self.quantum
+        for c, (per_unit, fixed) in enumerate(times):
+            u = int(self.u[c])
+            for seconds_per_unit, fixed_s, ring_s in set(zip(per_unit, fixed, self.ring[c])):
+                rows.add({u: seconds_per_unit, self.step: -1.0}, -np.inf, -fixed_s)
+                if ring_s > 0:
+                    upper = -fixed_s - ring_s * total_tokens
+                    rows.add({u: -ring_s * block, self.step: -1.0}, -np.inf, upper)
+
+    def _finish_s(self, times, units: np.ndarray) -> np.ndarray:
+        """Per class, its slowest member's seconds at `units` (the time rows' maximum)."""
+        total_tokens = float(self.problem.train.seq_len)
+        finish = []
+        for (per_unit, fixed), ring, u in zip(times, self.ring, units):
+            busy = per_unit * u + fixed
+            traffic = ring * (total_tokens - 2.0 * self.quantum * u) + fixed
+            finish.append(float(np.max(np.maximum(busy, traffic))))
+        return np.array(finish)
 
     def _sum_rows(self, rows) -> None:
         counts = [len(cls.positions) for cls in self.classes]
         units = {int(self.u[c]): float(n) for c, n in enumerate(counts)}
         rows.add(units, self.total_units - sum(counts), self.total_units)
-        shares = {int(col): float(n) for n, cols in zip(counts, self.f) for col in cols}
+        shares: dict[int, float] = {}
+        for n, columns in zip(counts, self.f):
+            for column in columns:
+                shares[int(column)] = shares.get(int(column), 0.0) + float(n)
         rows.add(shares, 1.0, 1.0)
         if self.multi_group:
             for c in self.u:
@@ -252,6 +477,8 @@ class _Model:
         slacks = []
         for c, _cls in enumerate(self.classes):
             for member, (phases, capacity) in enumerate(self.memory[c]):
+                if self.kinds[c].index(self.kinds[c][member]) != member:
+                    continue  # an identical member has these rows already
                 if slack is not None:
                     slacks.append((c, member))
                 for (per_unit, per_largest, per_share), constant in phases:
@@ -273,23 +500,51 @@ class _Model:
     def _member_memory(self, cls: _Class):
         """For each member: each phase of its peak memory as an affine function of (u_c, B,
         f_cm), with the rounding margins folded into the constant, and its capacity."""
-        position = cls.positions[0]
+        ratio = self.problem.model.heads // self.problem.model.kv_heads
+        starts = np.concatenate([[0], np.cumsum(cls.heads)[:-1]]).astype(int)
         members = []
-        for rank in self.groups[position]:
-            phases = _phases_of(
-                self.problem, self.layout, rank, self.quantum, cls.size, self.multi_group
+        for rank, start, heads in zip(self.groups[cls.positions[0]], starts, cls.heads):
+            kv_heads = -(-(start + heads) // ratio) - start // ratio
+            capacity = self.problem.cluster.gpu(rank).memory_bytes
+            gpu = self.problem.cluster.devices[rank].gpu
+            key = (gpu, heads, kv_heads, self.quantum, cls.size, self.multi_group)
+            phases = self.problem.memo(
+                ("phases", self.problem.train, key),
+                lambda key=key: _phases_of(self.problem, *key),
             )
-            members.append((phases, float(self.problem.cluster.gpu(rank).memory_bytes)))
+            members.append((phases, float(capacity)))
         return members
 
-    def _run(self, rows, column: int):
+    def _unit_ceilings(self, x) -> np.ndarray:
+        """Per class, the most units its members' memory allows with the largest block and
+        state shares of `x` (and, across groups, below the largest block)."""
+        ceilings = np.full(len(self.classes), np.inf)
+        largest = x[self.largest]
+        for c in range(len(self.classes)):
+            for member, (phases, capacity) in enumerate(self.memory[c]):
+                share = x[self.f[c][member]]
+                for (per_unit, per_largest, per_share), constant in phases:
+                    if per_unit <= 0:
+                        continue
+                    room = memory_limit_bytes(int(capacity)) - constant
+                    room -= per_largest * largest + per_share * share
+                    ceilings[c] = min(ceilings[c], room / per_unit)
+            if self.multi_group:
+                ceilings[c] = min(ceilings[c], largest - 1.0)
+        return ceilings
+
+    def _objective(self, column: int) -> np.ndarray:
         objective = np.zeros(self.size)
         objective[column] = 1.0
+        return objective
+
+    def _run(self, rows, column: int, relaxed: bool = False):
+        """Minimize `column` under `rows`: the MILP, or its LP relaxation."""
         result = milp(
-            objective,
+            self._objective(column),
             constraints=rows.constraint(self.size),
             bounds=self._bounds(),
-            integrality=self._integrality(),
+            integrality=None if relaxed else self._integrality(),
             options={"time_limit": MILP_TIME_LIMIT_S, "mip_rel_gap": MILP_RELATIVE_GAP},
         )
         return result.x
@@ -308,13 +563,13 @@ class _Model:
         return integrality
 
 
-def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group: bool):
+def _phases_of(
+    problem, gpu: str, heads: int, kv_heads: int, quantum: int, size: int, multi_group: bool
+):
     """Every phase of the memory model (`costmodel.memory.PHASES`, each with its reserve and
     fragmentation) as ((per segment unit, per largest-block unit, per state share), constant)
     in bytes, where a member holds (u + 1) / size + 1 token units at most and its segment is
     u + 1 units."""
-    low, high = layout.kv_head_range(rank)
-    gpu = problem.cluster.devices[rank].gpu
     calibration = problem.cost.memory_calibration(gpu)
     block = 2 * quantum
 
@@ -322,8 +577,8 @@ def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group:
         shape = RankShape(
             tokens * block,
             segment * block,
-            layout.num_heads_of(rank),
-            high - low,
+            heads,
+            kv_heads,
             largest * block if multi_group else 0,
             gpu == "cpu",
         )
@@ -338,6 +593,44 @@ def _phases_of(problem, layout, rank: int, quantum: int, size: int, multi_group:
     per_unit = per_token / size + per_segment
     constant = base + per_token * (1.0 / size + 1.0) + per_segment * 1.0
     return [((per_unit[p], per_largest[p], per_share[p]), constant[p]) for p in range(len(base))]
+
+
+def _kinds_of(members: list) -> list[int]:
+    """A kind index per member: members with the same memory rows and capacity share one."""
+    seen: dict[tuple, int] = {}
+    return [seen.setdefault((id(phases), capacity), len(seen)) for phases, capacity in members]
+
+
+class _UnitRanges:
+    """Per class, the units allowed at a step time T: at least the class size and what its
+    members' ring traffic needs by T, at most what they compute by T and the ceiling."""
+
+    def __init__(self, model: _Model, times, ceilings: np.ndarray) -> None:
+        self.classes = np.concatenate([np.full(len(t[0]), c) for c, t in enumerate(times)])
+        self.starts = np.concatenate([[0], np.cumsum([len(t[0]) for t in times])[:-1]])
+        self.per_unit = np.concatenate([t[0] for t in times])
+        self.fixed = np.concatenate([t[1] for t in times])
+        self.ring = np.concatenate(model.ring)
+        self.ceilings = ceilings
+        self.smallest = np.array([float(cls.size) for cls in model.classes])
+        self.total_tokens = float(model.problem.train.seq_len)
+        self.block = 2.0 * model.quantum
+
+    def at(self, step_s: float) -> tuple[np.ndarray, np.ndarray]:
+        spare = step_s - self.fixed
+        with np.errstate(divide="ignore", invalid="ignore"):
+            busy_cap = np.where(self.per_unit > 0, spare / self.per_unit, np.inf)
+            ring_need = np.where(
+                self.ring > 0, (self.total_tokens - spare / self.ring) / self.block, 0.0
+            )
+        busy_cap = np.where(spare < 0, -1.0, busy_cap)
+        high = np.minimum(
+            np.minimum.reduceat(np.floor(busy_cap + 1e-9), self.starts), self.ceilings
+        )
+        low = np.maximum(
+            np.maximum.reduceat(np.ceil(ring_need - 1e-9), self.starts), self.smallest
+        )
+        return low, high
 
 
 class _Rows:
@@ -358,6 +651,18 @@ class _Rows:
             self.values.append(value)
         self.lower.append(lower)
         self.upper.append(upper)
+
+    @staticmethod
+    def without_last(rows: _Rows) -> _Rows:
+        """A copy of `rows` without its last row."""
+        copy = _Rows()
+        last = len(rows.lower) - 1
+        keep = [i for i, row in enumerate(rows.rows) if row != last]
+        copy.rows = [rows.rows[i] for i in keep]
+        copy.columns = [rows.columns[i] for i in keep]
+        copy.values = [rows.values[i] for i in keep]
+        copy.lower, copy.upper = rows.lower[:-1], rows.upper[:-1]
+        return copy
 
     def constraint(self, columns: int) -> LinearConstraint:
         shape = (len(self.lower), columns)

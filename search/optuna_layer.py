@@ -1,16 +1,14 @@
 """Optuna layer: samples the global choices and scores each with greedy -> MILP -> simulator.
 
-The greedy default is enqueued as the first trial, so a search never returns worse than the
-hierarchy alone. Every search ends with a *polish*: a deterministic local search from the
-best trial that changes one choice at a time (one GPU type's HP degree, the ring order, the
-chunk quantum, checkpointing) and moves while a neighbour is faster, within an evaluation cap
-that shrinks with the cluster (`polish_evaluations`) so the default search keeps its time
-goal. The polish scores plans outside the study (it records no trials), so a trial count stays
-exact. Seeded TPE sampling makes a run deterministic for a fixed number of trials (a time
-budget that cuts a run short trades that for time). A storage URL (SQLite, PostgreSQL) keeps
-the study, lets several worker processes search it together, and lets a later run go on
-where an earlier one stopped. With `multi_objective` the study trades throughput against the
-fullest device's memory headroom and returns the Pareto front.
+A new study first scores the screened short list (`search.shortlist`: the greedy default
+first, so a search never returns worse than the hierarchy alone). Every single-objective
+search ends with the polish (`search.polish`), a deterministic local search from the best
+trials whose full evaluations are capped so the default search keeps its time goal. Seeded
+TPE sampling makes a run deterministic for a fixed number of trials (a time budget that cuts
+a run short trades that for time). A storage URL (SQLite, PostgreSQL) keeps the study, lets
+several worker processes search it together, and lets a later run go on where an earlier one
+stopped. With `multi_objective` the study trades throughput against the fullest device's
+memory headroom and returns the Pareto front.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import logging
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import optuna
 from sqlalchemy.exc import ArgumentError
@@ -30,31 +28,15 @@ from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import (
     RING_ORDERS,
     GlobalChoices,
-    attention_speeds,
     candidate_hp_degrees,
     chunk_quantum,
-    explicit_ring_order,
-    greedy_candidates,
 )
 from hexiseq.search.hierarchy import plan_for_choices
+from hexiseq.search.polish import POLISH_STARTS, polish, polish_evaluations
+from hexiseq.search.shortlist import shortlist
 from hexiseq.store import display_url, mask_url_passwords
 
 INFEASIBLE_SCORE = 0.0
-POLISH_MAX_EVALUATIONS = 64
-POLISH_DEVICE_EVALUATIONS = 768
-POLISH_WORLD_LIMIT = 96
-"""The polish tries at most POLISH_MAX_EVALUATIONS neighbours, and POLISH_DEVICE_EVALUATIONS /
-devices on larger clusters (an evaluation costs about in proportion to the devices), none
-from POLISH_WORLD_LIMIT devices up: the default search must stay within 0.5 s at 128 GPUs
-(benchmarks/planner_scaling.py)."""
-POLISH_STARTS = 3
-
-
-def polish_evaluations(world_size: int) -> int:
-    """How many neighbours the polish may score on a cluster of `world_size` devices."""
-    if world_size >= POLISH_WORLD_LIMIT:
-        return 0
-    return min(POLISH_MAX_EVALUATIONS, POLISH_DEVICE_EVALUATIONS // world_size)
 
 
 @dataclass
@@ -152,7 +134,7 @@ def run_study(
 ) -> StudyOutcome:
     """Run (or continue) the study and rebuild the plans of its best trials.
 
-    A new study first scores the greedy short list (counted in `n_trials`); a continued one
+    A new study first scores the screened short list (counted in `n_trials`); a continued one
     runs `n_trials` more. With neither `n_trials` nor `time_budget_s`, only the short list.
     """
     optuna.logging.set_verbosity(logging.WARNING)
@@ -163,7 +145,7 @@ def run_study(
     if not study.trials:  # a new study starts from the greedy stage's short list
         # Scored here, before any worker starts: workers sharing a SQLite study could both
         # take the same enqueued trial.
-        scored_here = _score_greedy(study, objective)
+        scored_here = _score_shortlist(study, objective)
     remaining = None if n_trials is None else n_trials - scored_here
     budget = None if time_budget_s is None else time_budget_s - (time.perf_counter() - started)
     searching = n_trials is not None or time_budget_s is not None
@@ -178,73 +160,21 @@ def run_study(
     polished = []
     if not multi_objective:
         deadline = None if time_budget_s is None else started + time_budget_s
-        evaluations = polish_evaluations(problem.cluster.world_size)
-        polished = _polish(study, objective, evaluations, deadline)
+        starts = [
+            (choices_from_params(problem, t.params), t.values[0])
+            for t in _best_feasible(study, POLISH_STARTS)
+        ]
+        scored = polish(
+            problem,
+            starts,
+            objective.plan,
+            lambda choices: choices.key() in objective.cache,
+            objective.quanta,
+            polish_evaluations(problem.cluster.world_size),
+            deadline,
+        )
+        polished = [(params_of(c, objective.quanta[0]), p) for c, p in scored]
     return _outcome(study, objective, multi_objective, polished)
-
-
-def _polish(
-    study, objective: _Objective, evaluations: int, deadline: float | None
-) -> list[tuple[dict, Plan | InfeasiblePlan]]:
-    """Local search from the best trials: from each start (the best trial first, then the
-    next best, up to POLISH_STARTS), score every one-choice neighbour not scored yet (in a
-    fixed order), move to the fastest while it beats the current plan; stop after
-    `evaluations` neighbours in all or at `deadline` (perf_counter seconds). Returns the
-    (params, plan) it scored."""
-    scored: list[tuple[dict, Plan | InfeasiblePlan]] = []
-    for trial in _best_feasible(study, POLISH_STARTS):
-        current = choices_from_params(objective.problem, trial.params)
-        score = trial.values[0]
-        while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
-            fresh = [c for c in _neighbours(objective, current) if c.key() not in objective.cache]
-            batch = fresh[:evaluations]
-            if not batch:
-                break
-            evaluations -= len(batch)
-            plans = [objective.plan(choices) for choices in batch]
-            scored += [(params_of(c, objective.quanta[0]), p) for c, p in zip(batch, plans)]
-            speeds = [_throughput(plan) for plan in plans]
-            top = max(range(len(batch)), key=speeds.__getitem__)
-            if speeds[top] <= score:
-                break
-            current, score = batch[top], speeds[top]
-    return scored
-
-
-def _throughput(plan: Plan | InfeasiblePlan) -> float:
-    return plan.predicted.tokens_per_s if isinstance(plan, Plan) else INFEASIBLE_SCORE
-
-
-def _neighbours(objective: _Objective, choices: GlobalChoices) -> list[GlobalChoices]:
-    """Every choice set that differs from `choices` in one decision: the cheap knobs first
-    (checkpointing, quantum, ring-order strategy, two neighbouring nodes of the ring swapped),
-    then each GPU type's HP degree."""
-    problem = objective.problem
-    found = []
-    for checkpointing in problem.checkpointing_options:
-        found.append(replace(choices, activation_checkpointing=checkpointing))
-    found += [replace(choices, chunk_quantum=q) for q in objective.quanta]
-    found += [replace(choices, ring_order=order) for order in RING_ORDERS]
-    found += [replace(choices, ring_order=order) for order in _node_swaps(objective, choices)]
-    for gpu in problem.cluster.gpu_types:
-        for degree in candidate_hp_degrees(problem.cluster, problem.model, gpu):
-            found.append(replace(choices, hp_degrees={**choices.hp_degrees, gpu: degree}))
-    unique = {c.key(): c for c in found if c.key() != choices.key()}
-    return list(unique.values())
-
-
-def _node_swaps(objective: _Objective, choices: GlobalChoices) -> list[str]:
-    """Explicit ring orders that swap two neighbouring nodes of the plan's ring."""
-    plan = objective.plan(choices)
-    if not isinstance(plan, Plan):
-        return []
-    nodes = [plan.assignments[group[0]].node for group in plan.layout().groups]
-    ring = list(dict.fromkeys(nodes))  # a node's groups are consecutive in the ring
-    swaps = []
-    for i in range(len(ring) - 1):
-        swapped = ring[:i] + [ring[i + 1], ring[i]] + ring[i + 2 :]
-        swaps.append(explicit_ring_order(swapped))
-    return swaps
 
 
 def _best_feasible(study, count: int) -> list:
@@ -256,27 +186,14 @@ def _best_feasible(study, count: int) -> list:
     return list(distinct.values())[:count]
 
 
-def _score_greedy(study, objective: _Objective) -> int:
-    """The greedy short list with activation checkpointing (it fits most often), then its two
-    best groupings again without, where that is allowed: dropping the recompute is the largest
-    single gain whenever memory allows it. Returns how many trials it ran."""
-    problem = objective.problem
+def _score_shortlist(study, objective: _Objective) -> int:
+    """The screened short list, the greedy default first. Returns how many trials it ran."""
     quantum = objective.quanta[len(objective.quanta) // 2]
-    keeps_checkpoints = True in problem.checkpointing_options
-    speeds = attention_speeds(problem)
-    speed_by_type = {d.gpu: speed for d, speed in zip(problem.cluster.devices, speeds)}
-    greedy = greedy_candidates(problem.cluster, problem.model, keeps_checkpoints, speed_by_type)
-    for choices in greedy:
+    candidates = shortlist(objective.problem, quantum)
+    for choices in candidates:
         study.enqueue_trial(params_of(choices, quantum))
-    study.optimize(objective, n_trials=len(greedy))
-    if not keeps_checkpoints or False not in problem.checkpointing_options:
-        return len(greedy)
-    done = [t for t in study.trials if t.values and t.values[0] > INFEASIBLE_SCORE]
-    best = sorted(done, key=lambda t: -t.values[0])[:2]
-    for trial in best:
-        study.enqueue_trial({**trial.params, "activation_checkpointing": False})
-    study.optimize(objective, n_trials=len(best))
-    return len(greedy) + len(best)
+    study.optimize(objective, n_trials=len(candidates))
+    return len(candidates)
 
 
 def _create_study(storage: str | None, name: str, seed: int, multi_objective: bool):

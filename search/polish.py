@@ -1,0 +1,142 @@
+"""The polish: a deterministic local search from the study's best trials.
+
+From each start (the best trial first, then the next best, up to POLISH_STARTS) it looks at
+every choice set that differs in one decision (one GPU type's HP degree, checkpointing, the
+chunk quantum, the ring-order strategy, two neighbouring nodes of the ring swapped) and
+moves to the fastest while that beats the current plan. Neighbours the screen can price
+(`search.screen`: HP degrees, checkpointing) are evaluated in full only when their estimate
+beats the current choices' own, the best POLISH_SCREENED of them; ring orders and quanta,
+which the screen cannot tell apart, only when they change the ring. Full evaluations are
+capped by `polish_evaluations` (they cost about in proportion to the devices) and by the
+caller's deadline. The polish scores plans outside the study (it records no trials), so a
+trial count stays exact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.search._evaluate import Problem
+from hexiseq.search.greedy import (
+    RING_ORDERS,
+    GlobalChoices,
+    explicit_ring_order,
+)
+from hexiseq.search.screen import estimate_s, grouping, resolved_quantum, with_checkpointing
+from hexiseq.search.shortlist import screen_degrees
+
+POLISH_MAX_EVALUATIONS = 6
+POLISH_DEVICE_EVALUATIONS = 192
+"""The polish evaluates at most POLISH_MAX_EVALUATIONS neighbours in full, and
+POLISH_DEVICE_EVALUATIONS / devices on larger clusters (none from 256 devices up)."""
+POLISH_STARTS = 2
+POLISH_SCREENED = 2
+
+Scored = tuple[GlobalChoices, Plan | InfeasiblePlan]
+
+
+def polish_evaluations(world_size: int) -> int:
+    """How many neighbours the polish may evaluate in full on `world_size` devices."""
+    return min(POLISH_MAX_EVALUATIONS, POLISH_DEVICE_EVALUATIONS // world_size)
+
+
+def polish(
+    problem: Problem,
+    starts: list[tuple[GlobalChoices, float]],
+    plan_of: Callable[[GlobalChoices], Plan | InfeasiblePlan],
+    is_scored: Callable[[GlobalChoices], bool],
+    quanta: list[int],
+    evaluations: int,
+    deadline: float | None,
+) -> list[Scored]:
+    """Local search from `starts` ((choices, tokens/s), best first); returns what it
+    scored. `plan_of` builds (and remembers) a candidate's plan, `is_scored` says whether
+    it already has one; `deadline` is a perf_counter time or None."""
+    scored: list[Scored] = []
+    for current, score in starts[:POLISH_STARTS]:
+        while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
+            current_plan = plan_of(current)
+            fresh = neighbours(problem, current, quanta, current_plan)
+            batch = _worth_evaluating(problem, current, [c for c in fresh if not is_scored(c)])
+            batch = batch[:evaluations]
+            if not batch:
+                break
+            evaluations -= len(batch)
+            plans = [plan_of(choices) for choices in batch]
+            scored += list(zip(batch, plans))
+            speeds = [throughput(plan) for plan in plans]
+            top = max(range(len(batch)), key=speeds.__getitem__)
+            if speeds[top] <= score:
+                break
+            current, score = batch[top], speeds[top]
+    return scored
+
+
+def throughput(plan: Plan | InfeasiblePlan) -> float:
+    return plan.predicted.tokens_per_s if isinstance(plan, Plan) else 0.0
+
+
+def neighbours(
+    problem: Problem, choices: GlobalChoices, quanta: list[int], plan: Plan | InfeasiblePlan
+) -> list[GlobalChoices]:
+    """Every choice set that differs from `choices` in one decision: checkpointing, quantum,
+    ring-order strategy, two neighbouring nodes of `plan`'s ring swapped, then each GPU
+    type's HP degree."""
+    found = [replace(choices, activation_checkpointing=c) for c in problem.checkpointing_options]
+    found += [replace(choices, chunk_quantum=q) for q in quanta]
+    found += [replace(choices, ring_order=order) for order in RING_ORDERS]
+    found += [replace(choices, ring_order=order) for order in _node_swaps(plan)]
+    for gpu in problem.cluster.gpu_types:
+        for degree in screen_degrees(problem, gpu):
+            found.append(replace(choices, hp_degrees={**choices.hp_degrees, gpu: degree}))
+    unique = {c.key(): c for c in found if c.key() != choices.key()}
+    return list(unique.values())
+
+
+def _worth_evaluating(
+    problem: Problem, current: GlobalChoices, fresh: list[GlobalChoices]
+) -> list[GlobalChoices]:
+    """The screened neighbours estimated faster than `current` (best POLISH_SCREENED, best
+    first), then the ring-order and quantum neighbours that change the ring."""
+    same_grouping = [c for c in fresh if _grouping_key(c) == _grouping_key(current)]
+    regrouped = [c for c in fresh if _grouping_key(c) != _grouping_key(current)]
+    bar_s = estimate_s(problem, current)
+    faster = sorted(
+        (c for c in regrouped if estimate_s(problem, c) < bar_s),
+        key=lambda c: estimate_s(problem, c),
+    )[:POLISH_SCREENED]
+    rings = {_ring_key(problem, current)}
+    reordered = []
+    for choices in same_grouping:
+        ring = _ring_key(problem, choices)
+        if ring not in rings:
+            rings.add(ring)
+            reordered.append(choices)
+    return faster + reordered
+
+
+def _grouping_key(choices: GlobalChoices) -> tuple:
+    return tuple(sorted(choices.hp_degrees.items())), choices.activation_checkpointing
+
+
+def _ring_key(problem: Problem, choices: GlobalChoices) -> tuple:
+    """What a ring-order or quantum change changes: the ring of groups and the quantum."""
+    problem = with_checkpointing(problem, choices.activation_checkpointing)
+    groups, _ = grouping(problem, choices)
+    return tuple(groups), resolved_quantum(problem, choices)
+
+
+def _node_swaps(plan: Plan | InfeasiblePlan) -> list[str]:
+    """Explicit ring orders that swap two neighbouring nodes of the plan's ring."""
+    if not isinstance(plan, Plan):
+        return []
+    nodes = [plan.assignments[group[0]].node for group in plan.layout().groups]
+    ring = list(dict.fromkeys(nodes))  # a node's groups are consecutive in the ring
+    swaps = []
+    for i in range(len(ring) - 1):
+        swapped = ring[:i] + [ring[i + 1], ring[i]] + ring[i + 2 :]
+        swaps.append(explicit_ring_order(swapped))
+    return swaps

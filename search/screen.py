@@ -1,0 +1,141 @@
+"""Screening: a candidate's step time from cached busy rates and the local LP, unsimulated.
+
+A rank's busy time (attention, all-to-all, GEMMs, elementwise kernels, casts, loss) grows
+with its group's segment and depends on its own group alone: its GPU, its heads, its node's
+link. So one simulation of a layout gives the busy seconds per segment token of every group
+in it, for any candidate that forms the same group. A *probe* simulates the even layout of
+"every GPU type at HP degree d" and fills those rates for all types at once; any mix of
+per-type degrees is then scored by the local LP relaxation (memory rows included, the bound
+of `local_milp`) plus the non-busy time the probes saw (optimizer, exposed communication).
+That screens a candidate in about a millisecond, so the search simulates only the few it
+keeps (`search.shortlist`, `search.polish`). The estimate cannot tell ring orders or chunk
+quanta apart: those are scored by full evaluation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from hexiseq.search._evaluate import Problem, simulated
+from hexiseq.search.greedy import (
+    GlobalChoices,
+    attention_speeds,
+    candidate_hp_degrees,
+    chunk_quantum,
+    form_groups,
+    order_ring,
+    speed_by_type,
+    split_heads,
+)
+from hexiseq.search.local_milp import Group, GroupRates, even_layout, rates_of, relaxed_step_s
+
+INFEASIBLE_S = math.inf
+
+
+def with_checkpointing(problem: Problem, checkpointing: bool) -> Problem:
+    """`problem` with activation checkpointing set (its cache shared)."""
+    if problem.train.activation_checkpointing == checkpointing:
+        return problem
+    train = replace(problem.train, activation_checkpointing=checkpointing)
+    return replace(problem, train=train)
+
+
+def resolved_quantum(problem: Problem, choices: GlobalChoices) -> int:
+    return choices.chunk_quantum or chunk_quantum(
+        problem.train.seq_len, problem.cluster.world_size
+    )
+
+
+def grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], list[list[int]]]:
+    """The ring of HP groups the choices form, and each group's heads per member."""
+    key = (
+        "grouping",
+        problem.train,
+        tuple(sorted(choices.hp_degrees.items())),
+        choices.ring_order,
+    )
+    return problem.memo(key, lambda: _grouping(problem, choices))
+
+
+def _grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], list[list[int]]]:
+    speeds = problem.memo(("speeds", problem.train), lambda: attention_speeds(problem))
+    groups = order_ring(
+        problem.cluster,
+        form_groups(problem.cluster, choices.hp_degrees),
+        choices.ring_order,
+        speed_by_type(problem.cluster, speeds),
+    )
+    heads = []
+    for group in groups:
+        member_speeds = tuple(speeds[r] for r in group)
+        heads.append(
+            problem.memo(
+                ("heads", member_speeds),
+                lambda s=member_speeds: split_heads(problem.model.heads, s),
+            )
+        )
+    return groups, heads
+
+
+def estimate_s(problem: Problem, choices: GlobalChoices) -> float:
+    """Estimated step seconds of `choices` (INFEASIBLE_S when nothing fits or it cannot be
+    laid out), without simulating it."""
+    key = ("estimate", choices.key())
+    return problem.memo(key, lambda: _estimate_s(problem, choices))
+
+
+def group_rates(
+    problem: Problem, groups: list[Group], heads, quantum: int
+) -> list[GroupRates] | None:
+    """Busy seconds per segment token of each member of each group, probing where needed
+    (None when the sequence is too short to lay the groups out)."""
+    rates = []
+    for group in groups:
+        key = ("rate", problem.train, group)
+        if key not in problem.cache:
+            _probe(problem, len(group), quantum)
+        if key not in problem.cache:  # a group no probe forms (an odd-sized last group)
+            _fill_from(problem, groups, heads, quantum)
+        if key not in problem.cache:
+            return None
+        rates.append(problem.cache[key])
+    return rates
+
+
+def _estimate_s(problem: Problem, choices: GlobalChoices) -> float:
+    problem = with_checkpointing(problem, choices.activation_checkpointing)
+    quantum = resolved_quantum(problem, choices)
+    seq_len = problem.train.seq_len
+    if seq_len % (2 * quantum) or problem.cluster.world_size * 2 * quantum > seq_len:
+        return INFEASIBLE_S
+    groups, heads = grouping(problem, choices)
+    rates = group_rates(problem, groups, heads, quantum)
+    if rates is None:
+        return INFEASIBLE_S
+    step_s = relaxed_step_s(problem, groups, heads, quantum, rates)
+    return INFEASIBLE_S if step_s is None else step_s
+
+
+def _probe(problem: Problem, degree: int, quantum: int) -> None:
+    """Simulate every GPU type at HP degree `degree` (capped per type) and keep the rates."""
+    cluster, model = problem.cluster, problem.model
+    degrees = {
+        gpu: min(degree, max(candidate_hp_degrees(cluster, model, gpu)))
+        for gpu in cluster.gpu_types
+    }
+    key = ("probe", problem.train, tuple(sorted(degrees.items())))
+    if key in problem.cache:
+        return
+    problem.cache[key] = True
+    groups, heads = grouping(problem, GlobalChoices(degrees, "file", quantum))
+    _fill_from(problem, groups, heads, quantum)
+
+
+def _fill_from(problem: Problem, groups: list[Group], heads, quantum: int) -> None:
+    """Simulate the even layout of `groups` and keep each group's rates."""
+    layout = even_layout(problem, groups, heads, quantum)
+    if layout is None:
+        return
+    for group, rates in zip(layout.groups, rates_of(simulated(problem, layout), layout)):
+        problem.cache[("rate", problem.train, group)] = rates
