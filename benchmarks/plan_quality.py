@@ -45,7 +45,7 @@ from hexiseq.search.greedy import (
 )
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.local_milp import solve_local
-from hexiseq.search.optuna_layer import quantum_choices
+from hexiseq.search.objective import quantum_choices
 from hexiseq.units import format_tokens
 
 GPU_TYPES = ("H100-SXM", "A100-80G", "A100-40G", "L40S", "RTX-4090", "V100-32G", "H200")

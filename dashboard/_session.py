@@ -29,7 +29,7 @@ UPLOADS_KEY = "uploaded_plans"
 WHATIF_KEY = "whatif_result"
 WHATIF_CHOICE = "whatif"
 PENDING_CHOICE_KEY = "pending_plan_choice"
-BASELINE_NAMES = ("uniform-usp", "ring-only", "ulysses-only")
+BASELINE_NAMES = ("uniform-usp", "ring-only", "ulysses-only", "homogeneous-subset")
 
 PLAN_HINT = (
     "No plans yet. Run `hexiseq plan --cluster h100x8-a100x8 --model llama-30b --seq-len 512k` "

@@ -7,6 +7,7 @@ dataclass with one `Device` per global rank (ranks numbered node by node, in fil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from importlib import resources
@@ -217,6 +218,20 @@ class Cluster:
                 spec = replace(spec, memory_GiB=device.memory_GiB)
             specs.append(spec)
         return tuple(specs)
+
+    def subset(self, node_names: Sequence[str], name: str | None = None) -> Cluster:
+        """The cluster of these nodes only (file order kept), their links as declared."""
+        keep = set(node_names)
+        unknown = keep - set(self._nodes_by_name)
+        if unknown:
+            self._node(sorted(unknown)[0])  # raises InputError naming the known nodes
+        return Cluster(
+            name or f"{self.name}[{','.join(n.name for n in self.nodes if n.name in keep)}]",
+            tuple(node for node in self.nodes if node.name in keep),
+            self.inter_node_GBps,
+            self.inter_node_latency_us,
+            tuple(o for o in self.overrides if o[0] in keep and o[1] in keep),
+        )
 
     def link_GBps(self, node_a: str, node_b: str) -> float:
         """One-direction bandwidth per GPU between two nodes (intra-node link if equal)."""

@@ -79,7 +79,15 @@ def format_baselines(best: Plan, baselines: dict[str, Plan | InfeasiblePlan]) ->
         rows.append(
             [label, f"{other.predicted.tokens_per_s:,.1f}", f"{ratio:.2f}x", _memory_cell(other)]
         )
-    return format_table(["plan", "tokens/s", "hexiseq speedup", "peak memory"], rows, right={1, 2})
+    table = format_table(
+        ["plan", "tokens/s", "hexiseq speedup", "peak memory"], rows, right={1, 2}
+    )
+    feasible = [b for b in baselines.values() if isinstance(b, Plan)]
+    if not feasible:
+        return table + "\n\nno baseline can run: hexiseq's plan is the only one that fits"
+    strongest = max(feasible, key=lambda b: b.predicted.tokens_per_s)
+    ratio = best.predicted.tokens_per_s / strongest.predicted.tokens_per_s
+    return table + f"\n\nagainst the strongest feasible baseline ({strongest.name}): {ratio:.2f}x"
 
 
 def _memory_cell(plan: Plan) -> str:

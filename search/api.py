@@ -10,9 +10,9 @@ from hexiseq.errors import InfeasibleError, InputError
 from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
-from hexiseq.search.baselines import all_baselines
+from hexiseq.search.baselines import all_baselines, strongest
+from hexiseq.search.options import SearchOptions, search_options
 from hexiseq.search.optuna_layer import run_study
-from hexiseq.store import parse_database_url
 from hexiseq.units import parse_seq_len
 
 
@@ -37,6 +37,20 @@ class SearchResult:
     pareto: list[Plan] = field(default_factory=list)
     study_name: str = ""
 
+    @property
+    def strongest_baseline(self) -> Plan | None:
+        """The fastest feasible baseline (None when no baseline can run)."""
+        return strongest(self.baselines)
+
+    def speedup_over_strongest(self) -> float | None:
+        """Predicted throughput ratio best / strongest feasible baseline (None: none runs)."""
+        other = self.strongest_baseline
+        return (
+            None
+            if other is None
+            else self.best.predicted.tokens_per_s / other.predicted.tokens_per_s
+        )
+
     def speedup_over(self, baseline: str) -> float | None:
         """Predicted throughput ratio best / baseline (None when the baseline is infeasible)."""
         other = self.baselines[baseline]
@@ -50,6 +64,7 @@ def plan_search(
     model: ModelSpec | str,
     seq_len: int | str,
     *,
+    options: SearchOptions | None = None,
     time_budget_s: float | None = None,
     seed: int = 0,
     storage: str | None = None,
@@ -64,39 +79,53 @@ def plan_search(
     """Find the fastest plan that fits in memory, and score the baselines the same way.
 
     `cluster` and `model` take objects or preset names (a cluster also a YAML path);
-    `seq_len` takes 131072, "128k" or "1M". Without `time_budget_s` or `n_trials` only the
-    greedy stage's short list is built (greedy global + MILP local each); with them, the
-    Optuna layer goes on sampling the global choices for that long / that many trials.
-    `seed` makes the sampling deterministic for a given `n_trials`; `storage` (SQLAlchemy
-    URL) keeps the study and lets `workers` processes share it. Raises `InfeasibleError`
-    when no plan fits, saying how much memory is missing and where.
-    `activation_checkpointing` None lets the search drop the recompute wherever memory
-    allows (baselines too); True or False forces it.
+    `seq_len` takes 131072, "128k" or "1M". How to search is a `SearchOptions` (see there),
+    given as `options=` or as its fields' keywords, not both. Without `time_budget_s` or
+    `n_trials` only the screened short list and the polish run (greedy global + local MILP
+    each); with them, the Optuna layer goes on sampling the global choices for that long /
+    that many trials. Raises `InfeasibleError` when no plan fits, saying how much memory is
+    missing and where.
     """
-    _check_options(time_budget_s, n_trials, workers, storage)
+    keywords = {
+        "time_budget_s": time_budget_s,
+        "seed": seed,
+        "storage": storage,
+        "n_trials": n_trials,
+        "workers": workers,
+        "multi_objective": multi_objective,
+        "cost_model": cost_model,
+        "activation_checkpointing": activation_checkpointing,
+        "study_name": study_name,
+        "show_progress": show_progress,
+    }
+    if options is None:
+        options = search_options(**keywords)
+    elif any(value != _DEFAULTS[name] for name, value in keywords.items()):
+        raise InputError("give plan_search either options= or option keywords, not both")
+    return search(cluster, model, seq_len, options)
+
+
+_DEFAULTS = {name: field.default for name, field in SearchOptions.model_fields.items()}
+
+
+def search(
+    cluster: Cluster | str, model: ModelSpec | str, seq_len: int | str, options: SearchOptions
+) -> SearchResult:
+    """`plan_search` with its options as one validated object."""
     cluster_spec = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
     problem = Problem(
         cluster=cluster_spec,
         model=model if isinstance(model, ModelSpec) else ModelSpec.preset(model),
         train=_train_spec(cluster_spec, parse_seq_len(seq_len)),
-        cost=cost_model or DatasheetCostModel(),
-        checkpointing_options=_checkpointing_options(activation_checkpointing),
+        cost=options.cost_model or DatasheetCostModel(),
+        checkpointing_options=options.checkpointing_options,
     )
     baselines = all_baselines(problem)
-    outcome = run_study(
-        problem,
-        n_trials=n_trials,
-        time_budget_s=time_budget_s,
-        seed=seed,
-        storage=storage,
-        study_name=study_name,
-        workers=workers,
-        multi_objective=multi_objective,
-        show_progress=show_progress,
-    )
-    trials = [_trial(params, plan) for params, plan in outcome.plans]
+    outcome = run_study(problem, options)
+    trials = [Trial(r.name, r.tokens_per_s, r.reason, r.params) for r in outcome.records]
     trials += [_trial({}, b) for b in baselines.values()]
-    candidates = [plan for _, plan in outcome.plans] + list(baselines.values())
+    candidates = [outcome.best] if outcome.best is not None else []
+    candidates += outcome.infeasible + list(baselines.values())
     feasible = [c for c in candidates if isinstance(c, Plan)]
     if not feasible:
         raise InfeasibleError(
@@ -111,30 +140,6 @@ def _train_spec(cluster: Cluster, seq_len: int) -> TrainSpec:
     computes there, so the simulator counts the bytes the runtime moves."""
     all_cpu = all(device.gpu == "cpu" for device in cluster.devices)
     return TrainSpec(seq_len=seq_len, compute_dtype_bytes=4 if all_cpu else 2)
-
-
-def _checkpointing_options(activation_checkpointing: bool | None) -> tuple[bool, ...]:
-    if activation_checkpointing is None:
-        return (False, True)
-    return (bool(activation_checkpointing),)
-
-
-_STORAGE_URLS = (
-    "give a SQLAlchemy URL such as sqlite:///optuna.db or postgresql://USER:PASSWORD@HOST/DB"
-)
-
-
-def _check_options(time_budget_s, n_trials, workers, storage) -> None:
-    if time_budget_s is not None and time_budget_s <= 0:
-        raise InputError(f"time budget must be positive seconds (got {time_budget_s})")
-    if n_trials is not None and n_trials < 1:
-        raise InputError(f"n_trials must be at least 1 (got {n_trials})")
-    if workers < 1:
-        raise InputError(f"workers must be at least 1 (got {workers})")
-    if workers > 1 and storage is None:
-        raise InputError("several workers share a study through storage=; give a storage URL")
-    if storage is not None:  # a URL Optuna cannot parse: one line, its password masked
-        parse_database_url(storage, "storage URL", _STORAGE_URLS)
 
 
 def _trial(params: dict, candidate: Plan | InfeasiblePlan) -> Trial:

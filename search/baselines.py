@@ -1,11 +1,17 @@
-"""The homogeneous-style baselines hexiseq must beat, scored by the same simulator.
+"""The baselines hexiseq must beat, scored by the same simulator.
 
-Each follows the rules of the systems it stands for: equal sequence shards, equal head
-splits (the HP degree must divide the head count, as DeepSpeed-Ulysses and USP require) and
-model states sharded evenly.
+The homogeneous-style systems follow the rules of what they stand for: equal sequence
+shards, equal head splits (the HP degree must divide the head count, as DeepSpeed-Ulysses
+and USP require) and model states sharded evenly.
 - ring-only: context parallelism over every rank, zigzag (ring-flash-attention, Megatron CP).
 - ulysses-only: head parallelism over every rank (DeepSpeed-Ulysses).
 - uniform-usp: the best feasible uniform HP x CP grid (USP, Fang & Zhao 2024), all grids tried.
+- homogeneous-subset: what a careful engineer does with a mixed cluster and a homogeneous
+  system: drop the other cards and run the best uniform grid on one GPU type's nodes alone
+  (every type tried, the fastest that fits kept; the plan's cluster is that subset).
+
+Grids are scored without activation checkpointing first: where that fits, the recompute
+could only add time, so the checkpointed variant is not simulated.
 """
 
 from __future__ import annotations
@@ -17,9 +23,16 @@ from hexiseq.layout import build_uniform_layout
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem, evaluate
 
+BASELINE_NAMES = ("uniform-usp", "ring-only", "ulysses-only", "homogeneous-subset")
+
 
 def uniform_grid_plan(problem: Problem, hp_degree: int, name: str) -> Plan | InfeasiblePlan:
     """Equal shards and heads with HP groups of `hp_degree` consecutive ranks, zigzag ring."""
+    key = ("grid", problem.train, problem.checkpointing_options, hp_degree)
+    return replace(problem.memo(key, lambda: _grid_plan(problem, hp_degree, name)), name=name)
+
+
+def _grid_plan(problem: Problem, hp_degree: int, name: str) -> Plan | InfeasiblePlan:
     world, model = problem.cluster.world_size, problem.model
     if world % hp_degree:
         return InfeasiblePlan(name, f"HP degree {hp_degree} does not divide {world} devices")
@@ -42,10 +55,11 @@ def uniform_grid_plan(problem: Problem, hp_degree: int, name: str) -> Plan | Inf
 
 
 def _best_checkpointing(problem: Problem, layout, name: str, hp_degree: int, cp_degree: int):
-    """Homogeneous systems may drop activation checkpointing too when memory allows: the
-    faster feasible of the allowed settings (the least-short OOM if neither fits)."""
+    """Homogeneous systems may drop activation checkpointing too when memory allows: without
+    it if that fits (the recompute only adds time), else with it (the least-short OOM if
+    neither fits)."""
     outcomes = []
-    for checkpointing in problem.checkpointing_options:
+    for checkpointing in sorted(problem.checkpointing_options):  # False first
         train = replace(problem.train, activation_checkpointing=checkpointing)
         knobs = {
             "hp_degree": hp_degree,
@@ -53,10 +67,10 @@ def _best_checkpointing(problem: Problem, layout, name: str, hp_degree: int, cp_
             "activation_checkpointing": checkpointing,
         }
         fractions = even_state_fractions(problem.cluster.world_size)
-        outcomes.append(evaluate(replace(problem, train=train), layout, fractions, name, knobs))
-    feasible = [o for o in outcomes if isinstance(o, Plan)]
-    if feasible:
-        return max(feasible, key=lambda plan: plan.predicted.tokens_per_s)
+        outcome = evaluate(replace(problem, train=train), layout, fractions, name, knobs)
+        if isinstance(outcome, Plan):
+            return outcome
+        outcomes.append(outcome)
     return min(outcomes, key=lambda o: o.total_missing_bytes)
 
 
@@ -90,9 +104,54 @@ def uniform_usp(problem: Problem) -> Plan | InfeasiblePlan:
     return InfeasiblePlan("uniform-usp", "no uniform HP x CP grid divides heads and devices")
 
 
+def homogeneous_subset(problem: Problem) -> Plan | InfeasiblePlan:
+    """The best uniform grid on one GPU type's nodes alone, the fastest type that fits."""
+    cluster = problem.cluster
+    if len(cluster.gpu_types) == 1:
+        return InfeasiblePlan(
+            "homogeneous-subset", "the cluster is homogeneous already (see uniform-usp)"
+        )
+    found, short = [], []
+    for gpu in cluster.gpu_types:
+        nodes = [node.name for node in cluster.nodes if node.gpu == gpu]
+        subset = cluster.subset(nodes, f"{cluster.name}[{gpu} only]")
+        sub_problem = Problem(
+            subset, problem.model, problem.train, problem.cost, problem.checkpointing_options
+        )
+        plan = uniform_usp(sub_problem)
+        label = f"homogeneous-subset ({gpu} x {subset.world_size}, {plan.name})"
+        if isinstance(plan, Plan):
+            dropped = cluster.world_size - subset.world_size
+            knobs = {**plan.knobs, "devices_used": subset.world_size, "devices_dropped": dropped}
+            found.append(replace(plan, name=label, knobs=knobs))
+        elif plan.missing_bytes:
+            ranks = [d.rank for d in cluster.devices if d.node in set(nodes)]
+            missing = {ranks[r]: lack for r, lack in plan.missing_bytes.items()}
+            short.append((gpu, InfeasiblePlan(label, plan.reason, missing)))
+    if found:
+        return max(found, key=lambda p: p.predicted.tokens_per_s)
+    reason = "no single GPU type holds the sequence on its own nodes"
+    if short:  # the least-short type's missing bytes, on the full cluster's ranks
+        gpu, closest = min(short, key=lambda item: item[1].total_missing_bytes)
+        gib = closest.total_missing_bytes / 2**30
+        reason += f"; the closest, {gpu} alone, is {gib:.2f} GiB short"
+        return InfeasiblePlan("homogeneous-subset", reason, closest.missing_bytes)
+    return InfeasiblePlan("homogeneous-subset", reason)
+
+
 def all_baselines(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
-    return {
+    """Every baseline by name; homogeneous-subset only on a cluster of several GPU types."""
+    baselines = {
         "uniform-usp": uniform_usp(problem),
         "ring-only": ring_only(problem),
         "ulysses-only": ulysses_only(problem),
     }
+    if len(problem.cluster.gpu_types) > 1:
+        baselines["homogeneous-subset"] = homogeneous_subset(problem)
+    return baselines
+
+
+def strongest(baselines: dict[str, Plan | InfeasiblePlan]) -> Plan | None:
+    """The fastest feasible baseline, or None when none can run."""
+    feasible = [b for b in baselines.values() if isinstance(b, Plan)]
+    return max(feasible, key=lambda b: b.predicted.tokens_per_s) if feasible else None

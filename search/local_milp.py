@@ -41,6 +41,7 @@ RELINEARIZATIONS = 2
 MILP_TIME_LIMIT_S = 2.0
 MILP_RELATIVE_GAP = 1e-6
 TIME_TOLERANCE = 1e-4  # the headroom stage may give up this much step time
+SECANT_TOLERANCE = 1e-3  # re-linearized times this close to the last ones change nothing
 BISECTION_TOLERANCE = 1e-7  # relative width at which the integer step-time search stops
 
 
@@ -71,30 +72,46 @@ def solve_local(
 ) -> LocalSolution:
     """Best segment lengths, token shares and state shares for fixed groups and heads.
 
-    `rates` (busy seconds per segment token of each member, `search.screen`) stand in for
-    the first linearization's simulation of the even layout when given."""
+    The first linearization's secants come from `rates` (busy seconds per segment token of
+    each member, `search.screen`) when given, else from a simulation of the even layout;
+    its fastest integer units are laid out and simulated, and the secants there (where they
+    moved) are solved in full: fastest time, then most headroom, then state shares."""
     classes = _classes(problem, groups, heads)
     total_units = problem.train.seq_len // (2 * quantum)
-    units = _even_units(groups, total_units)
     model = _Model(problem, groups, heads, classes, quantum)
-    solution = LocalSolution(None)
-    for round_ in range(RELINEARIZATIONS):
-        if round_ == 0 and rates is not None:
-            times = _class_times(classes, rates, quantum)
-        else:
-            layout = _layout(problem, groups, heads, quantum, units)
-            times = _time_coefficients(problem, layout, classes, quantum)
-        found = model.solve(times)
-        if found is None:
-            return LocalSolution(None, missing_bytes=model.missing_bytes())
-        class_units, fractions = found
-        new_units = _group_units(classes, class_units, total_units, len(groups))
-        if new_units == units and solution.layout is not None:
-            break  # the secants are where they were: solving again changes nothing
-        units = new_units
-        solved = _layout(problem, groups, heads, quantum, units)
-        solution = LocalSolution(solved, _rank_fractions(groups, classes, fractions))
-    return solution
+    if rates is not None:
+        times = _class_times(classes, rates, quantum)
+    else:
+        even = _layout(problem, groups, heads, quantum, _even_units(groups, total_units))
+        times = _time_coefficients(problem, even, classes, quantum)
+    for _ in range(RELINEARIZATIONS - 1):
+        class_units = model.fastest_units(times)
+        if class_units is None:
+            break  # the full solve below says what is missing (or branches and bounds)
+        units = _group_units(classes, class_units, total_units, len(groups))
+        layout = _layout(problem, groups, heads, quantum, units)
+        fresh = _time_coefficients(problem, layout, classes, quantum)
+        if _same_times(times, fresh):
+            break  # the simulation agrees with the secants: solving again changes nothing
+        times = fresh
+    found = model.solve(times)
+    if found is None:
+        return LocalSolution(None, missing_bytes=model.missing_bytes())
+    class_units, fractions = found
+    units = _group_units(classes, class_units, total_units, len(groups))
+    solved = _layout(problem, groups, heads, quantum, units)
+    return LocalSolution(solved, _rank_fractions(groups, classes, fractions))
+
+
+def _same_times(old: list, new: list) -> bool:
+    """Whether two sets of class times agree within SECANT_TOLERANCE (relative)."""
+    for (old_unit, old_fixed), (new_unit, new_fixed) in zip(old, new):
+        scale = np.maximum(np.abs(old_unit), 1e-300)
+        if np.any(np.abs(new_unit - old_unit) > SECANT_TOLERANCE * scale):
+            return False
+        if np.any(np.abs(new_fixed - old_fixed) > SECANT_TOLERANCE * np.maximum(old_fixed, 1e-9)):
+            return False
+    return True
 
 
 def relaxed_step_s(
@@ -327,6 +344,19 @@ class _Model:
         if rounded is not None:
             return self._answer(rounded)
         return self._branch_and_bound(times)
+
+    def fastest_units(self, times) -> list[int] | None:
+        """Integer units of the fastest split for the relaxation's state shares (no
+        headroom stage): where the next linearization is taken. None if nothing fits."""
+        rows = _Rows()
+        self._time_rows(rows, times)
+        self._sum_rows(rows)
+        self._memory_rows(rows, slack=None)
+        fastest = self._run(rows, self.step, relaxed=True)
+        if fastest is None:
+            return None
+        units = self._fastest_units(times, self._unit_ceilings(fastest), fastest[self.step])
+        return None if units is None else [int(u) for u in units]
 
     def relaxed_step_s(self, times: list) -> float | None:
         rows = _Rows()

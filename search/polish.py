@@ -14,6 +14,7 @@ trial count stays exact.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -25,15 +26,20 @@ from hexiseq.search.greedy import (
     GlobalChoices,
     explicit_ring_order,
 )
-from hexiseq.search.screen import estimate_s, grouping, resolved_quantum, with_checkpointing
+from hexiseq.search.screen import (
+    estimate_s,
+    grouping,
+    resolved_quantum,
+    with_checkpointing,
+)
 from hexiseq.search.shortlist import screen_degrees
 
-POLISH_MAX_EVALUATIONS = 6
-POLISH_DEVICE_EVALUATIONS = 192
+POLISH_MAX_EVALUATIONS = 16
+POLISH_DEVICE_EVALUATIONS = 384
 """The polish evaluates at most POLISH_MAX_EVALUATIONS neighbours in full, and
-POLISH_DEVICE_EVALUATIONS / devices on larger clusters (none from 256 devices up)."""
-POLISH_STARTS = 2
-POLISH_SCREENED = 2
+POLISH_DEVICE_EVALUATIONS / devices on larger clusters (none from 512 devices up)."""
+POLISH_STARTS = 3
+POLISH_SCREENED = 4
 
 Scored = tuple[GlobalChoices, Plan | InfeasiblePlan]
 
@@ -60,7 +66,9 @@ def polish(
         while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
             current_plan = plan_of(current)
             fresh = neighbours(problem, current, quanta, current_plan)
-            batch = _worth_evaluating(problem, current, [c for c in fresh if not is_scored(c)])
+            batch = _worth_evaluating(
+                problem, current, current_plan, [c for c in fresh if not is_scored(c)]
+            )
             batch = batch[:evaluations]
             if not batch:
                 break
@@ -82,13 +90,14 @@ def throughput(plan: Plan | InfeasiblePlan) -> float:
 def neighbours(
     problem: Problem, choices: GlobalChoices, quanta: list[int], plan: Plan | InfeasiblePlan
 ) -> list[GlobalChoices]:
-    """Every choice set that differs from `choices` in one decision: checkpointing, quantum,
-    ring-order strategy, two neighbouring nodes of `plan`'s ring swapped, then each GPU
-    type's HP degree."""
+    """Every choice set that differs from `choices` in one decision: checkpointing, the
+    ring's layout (ring-order strategy or two neighbouring nodes of `plan`'s ring swapped,
+    each at every quantum: an order may win only at another quantum), then each GPU type's
+    HP degree."""
     found = [replace(choices, activation_checkpointing=c) for c in problem.checkpointing_options]
-    found += [replace(choices, chunk_quantum=q) for q in quanta]
-    found += [replace(choices, ring_order=order) for order in RING_ORDERS]
-    found += [replace(choices, ring_order=order) for order in _node_swaps(plan)]
+    orders = [choices.ring_order, *RING_ORDERS, *_node_swaps(plan)]
+    found += [replace(choices, ring_order=order) for order in orders]
+    found += [replace(choices, ring_order=o, chunk_quantum=q) for q in quanta for o in orders]
     for gpu in problem.cluster.gpu_types:
         for degree in screen_degrees(problem, gpu):
             found.append(replace(choices, hp_degrees={**choices.hp_degrees, gpu: degree}))
@@ -97,15 +106,19 @@ def neighbours(
 
 
 def _worth_evaluating(
-    problem: Problem, current: GlobalChoices, fresh: list[GlobalChoices]
+    problem: Problem,
+    current: GlobalChoices,
+    current_plan: Plan | InfeasiblePlan,
+    fresh: list[GlobalChoices],
 ) -> list[GlobalChoices]:
-    """The screened neighbours estimated faster than `current` (best POLISH_SCREENED, best
-    first), then the ring-order and quantum neighbours that change the ring."""
+    """The regrouped neighbours estimated faster than the current plan runs, best
+    POLISH_SCREENED first; then the ring-order and quantum neighbours that change the ring
+    (the screen cannot tell those apart)."""
+    current_s = _step_s(current_plan)
     same_grouping = [c for c in fresh if _grouping_key(c) == _grouping_key(current)]
     regrouped = [c for c in fresh if _grouping_key(c) != _grouping_key(current)]
-    bar_s = estimate_s(problem, current)
     faster = sorted(
-        (c for c in regrouped if estimate_s(problem, c) < bar_s),
+        (c for c in regrouped if estimate_s(problem, c) < current_s),
         key=lambda c: estimate_s(problem, c),
     )[:POLISH_SCREENED]
     rings = {_ring_key(problem, current)}
@@ -116,6 +129,10 @@ def _worth_evaluating(
             rings.add(ring)
             reordered.append(choices)
     return faster + reordered
+
+
+def _step_s(plan: Plan | InfeasiblePlan) -> float:
+    return plan.predicted.step_time_s if isinstance(plan, Plan) else math.inf
 
 
 def _grouping_key(choices: GlobalChoices) -> tuple:

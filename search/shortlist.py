@@ -2,9 +2,10 @@
 
 The greedy stage proposes a handful of global choices (`greedy.greedy_candidates`, with and
 without activation checkpointing). Each is screened (`search.screen`: cached busy rates and
-the local LP, no simulation), then a coordinate descent on the screen moves one GPU type's
-HP degree, or checkpointing, at a time while the estimate improves. The greedy picks and
-the SCREEN_KEEP best-screened candidates are what the search evaluates in full.
+the local LP, no simulation), then, for each checkpointing setting, a coordinate descent on
+the screen moves one GPU type's HP degree at a time while the estimate improves. The greedy
+picks and the SCREEN_KEEP best-screened candidates of each descent are what the search
+evaluates in full (`optuna_layer` skips those a plan in hand already beats by the bound).
 """
 
 from __future__ import annotations
@@ -22,41 +23,67 @@ from hexiseq.search.greedy import (
 )
 from hexiseq.search.screen import estimate_s
 
-SCREEN_KEEP = 1
+SCREEN_KEEP = 3
 """Screened candidates evaluated in full besides the greedy picks."""
 SCREEN_SWEEPS = 3
+SCREEN_ALL_DEGREES = 8
 
 
-def shortlist(problem: Problem, quantum: int) -> list[GlobalChoices]:
+def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
     """The greedy picks (each without activation checkpointing where the screen finds that
-    it fits, since the recompute is then pure cost), the greedy default first, then the
-    best-screened candidates of the descent. The screen ranks loads and memory well but not
-    the ring's exposed communication, so every greedy pick is evaluated in full."""
-    picks = [_without_recompute(problem, c) for c in _greedy_seeds(problem, quantum)]
-    scored = {c.key(): c for c in picks}
-    best = min(picks, key=lambda c: estimate_s(problem, c))
+    it fits, since the recompute is then pure cost) and, for each checkpointing setting, the
+    SCREEN_KEEP best-screened candidates of a descent from the best pick: the greedy default
+    first, the others in order of estimate."""
+    quantum = quanta[len(quanta) // 2]
+    picks = [_without_recompute(problem, c, quanta) for c in _greedy_seeds(problem, quantum)]
+    chosen = {c.key(): c for c in picks}
+    for checkpointing in problem.checkpointing_options:
+        starts = [replace(c, activation_checkpointing=checkpointing) for c in picks]
+        if not checkpointing:
+            starts = [_without_recompute(problem, c, quanta) for c in starts]
+        chosen.update((c.key(), c) for c in _descended(problem, starts))
+    default, *others = chosen.values()
+    finite = [c for c in others if math.isfinite(estimate_s(problem, c))]
+    infinite = [c for c in others if not math.isfinite(estimate_s(problem, c))]
+    return [default, *sorted(finite, key=lambda c: estimate_s(problem, c)), *infinite[:1]]
+
+
+def _descended(problem: Problem, starts: list[GlobalChoices]) -> list[GlobalChoices]:
+    """The best-screened candidates of a descent over HP degrees from the best start."""
+    scored = {c.key(): c for c in starts}
+    best = min(starts, key=lambda c: estimate_s(problem, c))
+    if not math.isfinite(estimate_s(problem, best)):
+        return []
     for _ in range(SCREEN_SWEEPS):
         moved = _descend(problem, best, scored)
         if moved.key() == best.key():
             break
         best = moved
     ranked = sorted(scored.values(), key=lambda c: estimate_s(problem, c))
-    kept = [c for c in ranked if math.isfinite(estimate_s(problem, c))][:SCREEN_KEEP]
-    chosen = {c.key(): c for c in picks}
-    chosen.update((c.key(), c) for c in kept)
-    return list(chosen.values())
+    return [c for c in ranked if math.isfinite(estimate_s(problem, c))][:SCREEN_KEEP]
 
 
-def _without_recompute(problem: Problem, choices: GlobalChoices) -> GlobalChoices:
+def _without_recompute(
+    problem: Problem, choices: GlobalChoices, quanta: list[int]
+) -> GlobalChoices:
+    """`choices` without activation checkpointing where the screen finds a quantum at which
+    that fits (the middle one, else smaller ones: their rounding margins are smaller)."""
     if False not in problem.checkpointing_options:
         return choices
-    lighter = replace(choices, activation_checkpointing=False)
-    return lighter if math.isfinite(estimate_s(problem, lighter)) else choices
+    middle = quanta.index(choices.chunk_quantum) if choices.chunk_quantum in quanta else 0
+    for quantum in reversed(quanta[: middle + 1]):
+        lighter = replace(choices, activation_checkpointing=False, chunk_quantum=quantum)
+        if math.isfinite(estimate_s(problem, lighter)):
+            return lighter
+    return choices
 
 
 def screen_degrees(problem: Problem, gpu: str) -> list[int]:
-    """HP degrees the screen tries for one type: powers of two and the largest allowed."""
+    """HP degrees the screen tries for one type: every allowed one up to SCREEN_ALL_DEGREES
+    of them, else the powers of two and the largest."""
     allowed = candidate_hp_degrees(problem.cluster, problem.model, gpu)
+    if len(allowed) <= SCREEN_ALL_DEGREES:
+        return allowed
     powers = [d for d in allowed if d & (d - 1) == 0]
     return sorted({*powers, max(allowed)})
 
@@ -70,16 +97,12 @@ def _greedy_seeds(problem: Problem, quantum: int) -> list[GlobalChoices]:
 
 
 def _descend(problem: Problem, start: GlobalChoices, scored: dict) -> GlobalChoices:
-    """One sweep: each type's HP degree in turn, then checkpointing, kept where the
-    estimate improves."""
+    """One sweep: each type's HP degree in turn, kept where the estimate improves."""
     best, best_s = start, estimate_s(problem, start)
     for gpu in problem.cluster.gpu_types:
         for degree in screen_degrees(problem, gpu):
             candidate = replace(best, hp_degrees={**best.hp_degrees, gpu: degree})
             best, best_s = _better(problem, candidate, best, best_s, scored)
-    for checkpointing in problem.checkpointing_options:
-        candidate = replace(best, activation_checkpointing=checkpointing)
-        best, best_s = _better(problem, candidate, best, best_s, scored)
     return best
 
 

@@ -15,7 +15,7 @@ from cli_runner import CliRun, run_main
 from hexiseq import Plan
 from hexiseq.store import Store
 
-BASELINES = ("uniform-usp", "ring-only", "ulysses-only")
+BASELINES = ("uniform-usp", "ring-only", "ulysses-only", "homogeneous-subset")
 DEVICE_ROW = re.compile(r"^\s*(\d+)\s+(\S+)\s+(H100-SXM|A100-80G)\s+\d+\s")
 
 

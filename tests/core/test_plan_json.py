@@ -132,7 +132,12 @@ def test_best_plan_fits_in_memory_and_beats_feasible_baselines(result):
 def test_h100_a100_paper_case(big_result):
     result = big_result
     assert result.best.cluster.world_size == 16
-    assert set(result.baselines) == {"uniform-usp", "ring-only", "ulysses-only"}
+    assert set(result.baselines) == {
+        "uniform-usp",
+        "ring-only",
+        "ulysses-only",
+        "homogeneous-subset",
+    }
     # 52 heads cannot be split evenly over 16 ranks: reported as infeasible, not dropped.
     ulysses = result.baselines["ulysses-only"]
     assert isinstance(ulysses, InfeasiblePlan)

@@ -244,9 +244,9 @@ def test_polish_finds_what_the_greedy_short_list_misses(monkeypatch):
     assert speeds[0] > 1.005 * greedy.predicted.tokens_per_s
 
 
-def test_polish_budget_shrinks_with_the_cluster_and_stops_at_256_gpus():
+def test_polish_budget_shrinks_with_the_cluster_and_stops_at_512_gpus():
     from hexiseq.search.polish import polish_evaluations
 
-    budgets = [polish_evaluations(n) for n in (4, 32, 64, 128, 255, 256, 1024)]
+    budgets = [polish_evaluations(n) for n in (4, 32, 64, 128, 511, 512, 1024)]
     assert budgets == sorted(budgets, reverse=True)
     assert budgets[0] > 0 and budgets[3] > 0 and budgets[-2:] == [0, 0]

@@ -21,7 +21,12 @@ def test_best_beats_every_baseline_within_memory(paper_testbed):
         if isinstance(baseline, Plan):
             assert best.predicted.tokens_per_s > baseline.predicted.tokens_per_s, name
     assert best.predicted.max_memory_fraction <= MEMORY_LIMIT_FRACTION
-    assert set(paper_testbed.baselines) == {"uniform-usp", "ring-only", "ulysses-only"}
+    assert set(paper_testbed.baselines) == {
+        "uniform-usp",
+        "ring-only",
+        "ulysses-only",
+        "homogeneous-subset",
+    }
 
 
 def test_asymmetric_split_gives_faster_gpus_more_tokens(paper_testbed):

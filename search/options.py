@@ -1,0 +1,108 @@
+"""`SearchOptions`: every knob of `plan_search` in one validated object.
+
+`plan_search(cluster, model, seq_len, options=SearchOptions(...))` and the keyword form
+`plan_search(cluster, model, seq_len, n_trials=40, ...)` are the same call; the keywords
+build a `SearchOptions`. Bad values fail with one `InputError` naming the option and what
+is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from hexiseq.errors import InputError
+from hexiseq.store import parse_database_url
+
+STORAGE_URLS = (
+    "give a SQLAlchemy URL such as sqlite:///optuna.db or postgresql://USER:PASSWORD@HOST/DB"
+)
+
+
+class SearchOptions(BaseModel):
+    """How `plan_search` searches (every field optional; the defaults are the default search).
+
+    - `time_budget_s`, `n_trials`: go on sampling with Optuna for this long / this many trials
+      (neither: the screened short list and the polish only).
+    - `seed`: makes the sampling deterministic for a given `n_trials`.
+    - `storage`: SQLAlchemy URL of an Optuna study to keep and resume; `study_name` names it.
+    - `workers`: processes sharing the stored study (needs `storage`).
+    - `multi_objective`: trade throughput against the fullest device's headroom (Pareto front).
+    - `cost_model`: the cost model to plan with (default: the datasheet model).
+    - `activation_checkpointing`: None lets the search drop the recompute wherever memory
+      allows; True or False forces it.
+    - `show_progress`: Optuna's progress bar.
+    """
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False
+    )
+
+    time_budget_s: float | None = Field(default=None, gt=0)
+    seed: int = 0
+    storage: str | None = None
+    n_trials: int | None = Field(default=None, ge=1)
+    workers: int = Field(default=1, ge=1)
+    multi_objective: bool = False
+    cost_model: Any = None
+    activation_checkpointing: bool | None = None
+    study_name: str | None = Field(default=None, min_length=1)
+    show_progress: bool = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SearchOptions:
+        if self.workers > 1 and self.storage is None:
+            raise ValueError("several workers share a study through storage=; give a storage URL")
+        required = ("attention_time_s", "transfer_time_s", "label")
+        if self.cost_model is not None and not all(
+            callable(getattr(self.cost_model, name, None)) for name in required
+        ):
+            raise ValueError(
+                "cost_model must be a hexiseq cost model (DatasheetCostModel, a fitted model)"
+            )
+        return self
+
+    @property
+    def checkpointing_options(self) -> tuple[bool, ...]:
+        """The activation-checkpointing settings the search may use."""
+        if self.activation_checkpointing is None:
+            return (False, True)
+        return (self.activation_checkpointing,)
+
+    @property
+    def searching(self) -> bool:
+        """Whether the Optuna layer samples beyond the short list."""
+        return self.n_trials is not None or self.time_budget_s is not None
+
+
+def search_options(**keywords: Any) -> SearchOptions:
+    """`SearchOptions(**keywords)`, bad values as one `InputError` (passwords masked)."""
+    try:
+        options = SearchOptions(**keywords)
+    except ValidationError as error:
+        raise InputError(_one_line(error)) from None
+    if options.storage is not None:  # a URL Optuna cannot parse: one line, its password masked
+        parse_database_url(options.storage, "storage URL", STORAGE_URLS)
+    return options
+
+
+_RULES = {
+    "time_budget_s": "time budget must be positive seconds",
+    "n_trials": "n_trials must be at least 1",
+    "workers": "workers must be at least 1",
+    "study_name": "study name must not be empty",
+}
+
+
+def _one_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "options"
+    value = first.get("input")
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(SearchOptions.model_fields)
+        return f"plan_search has no option '{field}'; options: {allowed}"
+    if field == "options":
+        return first["msg"].removeprefix("Value error, ")
+    rule = _RULES.get(field, f"search option {field}: {first['msg'].lower()}")
+    return f"{rule} (got {value!r})"
