@@ -546,10 +546,11 @@ class _Model:
         return members
 
     def _unit_ceilings(self, x) -> np.ndarray:
-        """Per class, the most units its members' memory allows with the largest block and
-        state shares of `x` (and, across groups, below the largest block)."""
+        """Per class, the most units its members' memory allows with the state shares of `x`
+        and a largest block one unit above its largest class rounded down (so any class may
+        round up), and across groups below that block."""
         ceilings = np.full(len(self.classes), np.inf)
-        largest = x[self.largest]
+        largest = np.floor(np.max(x[self.u]) + 1e-9) + 2.0
         for c in range(len(self.classes)):
             for member, (phases, capacity) in enumerate(self.memory[c]):
                 share = x[self.f[c][member]]

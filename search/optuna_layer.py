@@ -74,7 +74,7 @@ def run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
     if not study.trials:  # a new study starts from the short list
         # Scored here, before any worker starts: workers sharing a SQLite study could both
         # take the same enqueued trial.
-        scored_here = _score_shortlist(study, objective)
+        scored_here = _score_shortlist(study, objective, options.n_trials)
     _sample(study, objective, options, scored_here, started)
     polished: list[TrialRecord] = []
     if not options.multi_objective:
@@ -142,10 +142,11 @@ def _best_feasible(study, count: int) -> list:
     return list(distinct.values())[:count]
 
 
-def _score_shortlist(study, objective: Objective) -> int:
-    """The screened short list, the greedy default first. Returns how many trials it ran."""
+def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
+    """The screened short list, the greedy default first, at most `limit` trials (a trial
+    count is exact). Returns how many trials it ran."""
     quantum = objective.quanta[len(objective.quanta) // 2]
-    candidates = shortlist(objective.problem, objective.quanta)
+    candidates = shortlist(objective.problem, objective.quanta)[:limit]
     for choices in candidates:
         study.enqueue_trial(params_of(choices, quantum))
     study.optimize(objective, n_trials=len(candidates))

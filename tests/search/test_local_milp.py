@@ -1,0 +1,128 @@
+"""The exact local stage: LP relaxation, exact integer units, state shares and memory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hexiseq import Cluster, ModelSpec, Plan, TrainSpec
+from hexiseq.costmodel import DatasheetCostModel
+from hexiseq.search._evaluate import Problem, memory_shortfall, simulated
+from hexiseq.search.greedy import GlobalChoices
+from hexiseq.search.hierarchy import plan_for_choices
+from hexiseq.search.local_milp import (
+    _class_times,
+    _classes,
+    _Model,
+    even_layout,
+    rates_of,
+    relaxed_step_s,
+    solve_local,
+)
+from hexiseq.search.screen import grouping
+
+
+def problem_for(cluster, model: str, seq_len: int, checkpointing: bool = True) -> Problem:
+    train = TrainSpec(seq_len=seq_len, activation_checkpointing=checkpointing)
+    return Problem(cluster, ModelSpec.preset(model), train, DatasheetCostModel())
+
+
+def three_types() -> Cluster:
+    return Cluster.from_dict(
+        {
+            "name": "three-types",
+            "nodes": [
+                {"name": "n0", "gpu": "H100-SXM", "count": 4},
+                {"name": "n1", "gpu": "A100-80G", "count": 3},
+                {"name": "n2", "gpu": "L40S", "count": 2},
+            ],
+            "network": {"inter_node_GBps": 50},
+        }
+    )
+
+
+def model_and_times(problem: Problem, degrees: dict, quantum: int):
+    groups, heads = grouping(problem, GlobalChoices(degrees, "bandwidth", quantum))
+    classes = _classes(problem, groups, heads)
+    layout = even_layout(problem, groups, heads, quantum)
+    times = _class_times(classes, rates_of(simulated(problem, layout), layout), quantum)
+    return _Model(problem, groups, heads, classes, quantum), times, classes
+
+
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
+        {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
+        {"H100-SXM": 2, "A100-80G": 1, "L40S": 2},
+    ],
+)
+def test_exact_integer_units_match_branch_and_bound(degrees):
+    """Where memory does not bind, the one-dimensional integer search finds the MILP's own
+    optimum (HiGHS branch and bound with a 1e-6 gap)."""
+    problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
+    model, times, _ = model_and_times(problem, degrees, 64)
+    ours = model.solve(times)
+    exact = model._branch_and_bound(times)
+    assert ours is not None and exact is not None
+    finish = model._finish_s(times, np.array(ours[0], dtype=float)).max()
+    optimum = model._finish_s(times, np.array(exact[0], dtype=float)).max()
+    assert finish <= optimum * (1 + 1e-6)
+    bound = model.relaxed_step_s(times)
+    assert bound <= finish * (1 + 1e-9)  # the relaxation bounds it from below
+
+
+def test_units_cover_the_sequence_and_every_member_has_a_quantum():
+    problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
+    groups, heads = grouping(problem, GlobalChoices({"H100-SXM": 2, "A100-80G": 3, "L40S": 1}))
+    solution = solve_local(problem, groups, heads, 64)
+    layout = solution.layout
+    layout.validate()
+    assert sum(layout.segment_length(g) for g in range(len(groups))) == 64 * 1024
+    assert all(layout.num_tokens(r) >= 64 for r in range(layout.world_size))
+    assert sum(solution.state_fractions) == pytest.approx(1.0)
+    assert not memory_shortfall(problem, layout, solution.state_fractions)
+
+
+def test_identical_members_share_one_state_share_column():
+    cluster = Cluster.from_dict(
+        {"name": "one-node", "nodes": [{"name": "n0", "gpu": "H100-SXM", "count": 8}]}
+    )
+    problem = problem_for(cluster, "llama3-8b", 128 * 1024)
+    model, _, classes = model_and_times(problem, {"H100-SXM": 8}, 128)
+    assert len(classes) == 1 and classes[0].size == 8
+    assert len(set(model.f[0])) == 1  # eight members, one column
+
+
+def test_a_memory_bound_split_gives_the_small_card_less_and_still_fits():
+    # 70B over H100s and 24 GiB cards: the 4090s' memory, not their speed, caps their share.
+    cluster = Cluster.from_dict(
+        {
+            "name": "big-and-small",
+            "nodes": [
+                {"name": "n0", "gpu": "H100-SXM", "count": 8},
+                {"name": "n1", "gpu": "RTX-4090", "count": 8},
+            ],
+            "network": {"inter_node_GBps": 50},
+        }
+    )
+    problem = problem_for(cluster, "llama2-13b", 256 * 1024)
+    plan = plan_for_choices(problem, GlobalChoices({"H100-SXM": 8, "RTX-4090": 8}))
+    assert isinstance(plan, Plan)
+    by_gpu = {}
+    for a in plan.assignments:
+        by_gpu.setdefault(a.gpu, []).append(a)
+    h100_tokens = sum(a.tokens for a in by_gpu["H100-SXM"])
+    small_tokens = sum(a.tokens for a in by_gpu["RTX-4090"])
+    assert small_tokens < h100_tokens
+    assert plan.predicted.max_memory_fraction <= 0.95
+
+
+def test_the_relaxed_bound_is_none_when_nothing_fits():
+    problem = problem_for(Cluster.preset("mix4-32"), "llama-30b", 1024 * 1024)
+    choices = GlobalChoices({"H200": 8, "H100-SXM": 8, "A100-80G": 8, "L40S": 1})
+    groups, heads = grouping(problem, choices)
+    classes = _classes(problem, groups, heads)
+    layout = even_layout(problem, groups, heads, 256)
+    rates = rates_of(simulated(problem, layout), layout)
+    assert relaxed_step_s(problem, groups, heads, 256, rates) is None

@@ -1,0 +1,73 @@
+"""The screen: candidates priced from cached busy rates and the local LP, unsimulated."""
+
+from __future__ import annotations
+
+import math
+
+from hexiseq import Cluster, ModelSpec, Plan, TrainSpec
+from hexiseq.costmodel import DatasheetCostModel
+from hexiseq.search._evaluate import Problem
+from hexiseq.search.greedy import GlobalChoices
+from hexiseq.search.hierarchy import plan_for_choices
+from hexiseq.search.screen import estimate_s
+from hexiseq.search.shortlist import screen_degrees, shortlist
+
+
+def paper_problem(seq_len: int = 256 * 1024) -> Problem:
+    cluster = Cluster.preset("h100x8-a100x8")
+    return Problem(
+        cluster, ModelSpec.preset("llama-30b"), TrainSpec(seq_len=seq_len), DatasheetCostModel()
+    )
+
+
+def simulations(problem: Problem) -> int:
+    return sum(1 for key in problem.cache if key[0] == "simulate")
+
+
+def test_one_probe_prices_every_mix_of_degrees_it_covers():
+    problem = paper_problem()
+    estimate_s(problem, GlobalChoices({"H100-SXM": 4, "A100-80G": 4}, chunk_quantum=128))
+    after_first = simulations(problem)
+    for h100, a100 in [(4, 4), (4, 4)]:
+        estimate_s(problem, GlobalChoices({"H100-SXM": h100, "A100-80G": a100}, "file", 128))
+    mixed = GlobalChoices({"H100-SXM": 4, "A100-80G": 4}, "interleaved", 256)
+    estimate_s(problem, mixed)
+    assert after_first == 1 and simulations(problem) == 1  # ring order and quantum: no probe
+    estimate_s(problem, GlobalChoices({"H100-SXM": 2, "A100-80G": 4}, chunk_quantum=128))
+    assert simulations(problem) == 2  # degree 2: one more probe, all types at once
+    estimate_s(problem, GlobalChoices({"H100-SXM": 4, "A100-80G": 2}, chunk_quantum=128))
+    assert simulations(problem) == 2
+
+
+def test_the_estimate_tracks_the_simulator_and_marks_what_cannot_fit():
+    problem = paper_problem()
+    for degrees in ({"H100-SXM": 8, "A100-80G": 8}, {"H100-SXM": 4, "A100-80G": 4}):
+        choices = GlobalChoices(degrees, "bandwidth", 128, True)
+        plan = plan_for_choices(problem, choices)
+        assert isinstance(plan, Plan)
+        estimate = estimate_s(problem, choices)
+        # busy time balanced by the LP: below the simulated step (exposed waits come on
+        # top), and not far below it on NVLink-connected HP groups
+        assert 0.85 * plan.predicted.step_time_s <= estimate <= plan.predicted.step_time_s
+    tight = paper_problem(1024 * 1024)
+    assert math.isinf(
+        estimate_s(tight, GlobalChoices({"H100-SXM": 1, "A100-80G": 1}, "bandwidth", 256, False))
+    )
+
+
+def test_the_short_list_starts_with_the_greedy_default_and_has_no_repeats():
+    problem = paper_problem()
+    found = shortlist(problem, [64, 128, 256])
+    assert found[0].hp_degrees == {"H100-SXM": 8, "A100-80G": 8}
+    assert len({c.key() for c in found}) == len(found)
+    assert all(math.isfinite(estimate_s(problem, c)) for c in found[1:-1])
+
+
+def test_screen_degrees_cover_small_nodes_fully_and_large_ones_by_powers_of_two():
+    small = paper_problem()
+    assert screen_degrees(small, "H100-SXM") == list(range(1, 9))
+    wide = Cluster.from_dict({"name": "wide", "nodes": [{"name": "n", "gpu": "cpu", "count": 16}]})
+    problem = Problem(
+        wide, ModelSpec.preset("llama3-8b"), TrainSpec(seq_len=65536), DatasheetCostModel()
+    )
+    assert screen_degrees(problem, "cpu") == [1, 2, 4, 8, 16]
