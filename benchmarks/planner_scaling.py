@@ -45,7 +45,7 @@ SIZES = (16, 32, 64, 128, 256, 512, 1024)
 TYPE_COUNTS = (1, 2, 4, 8)
 QUICK_SIZES, QUICK_TYPE_COUNTS = (16, 128, 1024), (1, 4, 8)
 REPEATS, QUICK_REPEATS = 5, 3
-GOAL_128_S, AIM_128_S, GOAL_1024_S = 0.5, 0.1, 5.0
+GOAL_UP_TO_128_S, GOAL_1024_S = 0.1, 1.0
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,8 @@ def measure_cell(gpus: int, type_count: int, repeats: int) -> CellResult:
 
 
 def describe_speedup(result: SearchResult | None) -> str:
-    """Best plan over the best feasible baseline, or why there is no ratio."""
+    """Best plan over the strongest feasible baseline (homogeneous subset included), or why
+    there is no ratio."""
     if result is None:
         return "-"
     feasible = [b for b in result.baselines.values() if isinstance(b, Plan)]
@@ -157,7 +158,7 @@ def format_table(cells: list[CellResult]) -> str:
     # min-max, not p10-p90: 5 (or 3) runs do not define deciles.
     lines = [
         "| GPUs | types | median s | min-max s | first run s | best plan tokens/s "
-        "| speedup vs best baseline | HP degrees |",
+        "| speedup vs strongest baseline | HP degrees |",
         "|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     return "\n".join(lines + [format_row(cell) for cell in cells])
@@ -167,16 +168,18 @@ def check_goals(cells: list[CellResult]) -> list[str]:
     """One line per goal: met / not met, with the measured medians."""
     medians = {(c.gpus, c.type_count): statistics.median(c.times_s) for c in cells}
     lines = []
-    if (128, 4) in medians:
-        s = medians[(128, 4)]
-        verdict = "met" if s <= GOAL_128_S else "not met"
-        aim = "met" if s <= AIM_128_S else "not met"
+    small = {key: s for key, s in medians.items() if key[0] <= 128}
+    if small:
+        slowest = max(small, key=small.get)
+        over = sum(1 for s in small.values() if s > GOAL_UP_TO_128_S)
+        verdict = "met" if not over else f"not met in {over} of {len(small)} cells"
         lines.append(
-            f"- Goal <= {GOAL_128_S} s at 128 GPUs / 4 types: {verdict} ({s:.3f} s; "
-            f"aim {AIM_128_S} s: {aim})"
+            f"- Goal <= {GOAL_UP_TO_128_S} s for every cluster up to 128 GPUs: {verdict} "
+            f"(slowest {small[slowest]:.3f} s at {slowest[0]} GPUs / {slowest[1]} types; "
+            f"fastest {min(small.values()):.3f} s)"
         )
     else:
-        lines.append(f"- Goal <= {GOAL_128_S} s at 128 GPUs / 4 types: not measured in this run")
+        lines.append(f"- Goal <= {GOAL_UP_TO_128_S} s up to 128 GPUs: not measured in this run")
     at_1024 = {k: s for (g, k), s in medians.items() if g == 1024}
     if at_1024:
         worst_types = max(at_1024, key=at_1024.get)
@@ -198,8 +201,8 @@ def update_results(table: str, goals: list[str], repeats: int, command: str) -> 
         [
             "## Planner scaling",
             "",
-            "Default `plan_search` (greedy short list + local MILP + polish below 96 devices + "
-            f"baselines), median of "
+            "Default `plan_search` (screened short list + local stage + polish below 512 "
+            f"devices + baselines), median of "
             f"{repeats} runs after one warm-up per cluster ({os.cpu_count()} CPU cores, "
             f"{platform.machine()}, Python {platform.python_version()}; {date}). Nodes of 8 "
             "GPUs, or of 4 / 2 where 8 would leave a type out (marked n/node), types "

@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 from typing import Any
 
 from hexiseq._layout_checks import (
@@ -46,10 +47,17 @@ class AttentionLayout:
 
     def group_of(self, rank: int) -> int:
         """Ring position of the HP group holding `rank`; raises InputError for an unknown rank."""
-        for group_index, members in enumerate(self.groups):
-            if rank in members:
-                return group_index
+        if rank in self._group_by_rank:
+            return self._group_by_rank[rank]
         raise InputError(f"layout: rank {rank} is in no group; ranks are 0..{self.world_size - 1}")
+
+    @cached_property
+    def _group_by_rank(self) -> dict[int, int]:
+        found: dict[int, int] = {}  # the first group wins, as a scan would find it
+        for index, members in enumerate(self.groups):
+            for rank in members:
+                found.setdefault(rank, index)
+        return found
 
     def segment(self, group_index: int) -> tuple[Range, ...]:
         """Union of the group's members' token ranges, sorted, adjacent ranges merged."""

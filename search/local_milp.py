@@ -202,7 +202,9 @@ def _ring_rates(problem: Problem, groups: list[Group], heads, classes: list[_Cla
         return [np.zeros(cls.size) for cls in classes]
     model, train, cluster = problem.model, problem.train, problem.cluster
     bandwidth = problem.memo("links", lambda: problem.cost.link_parameters(cluster))[0]
-    node_index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    node_index = problem.memo(
+        "node index", lambda: {node.name: i for i, node in enumerate(cluster.nodes)}
+    )
     kv_passes = 3 if train.activation_checkpointing else 2
     per_head_bytes = 2 * model.head_dim * (kv_passes * train.compute_dtype_bytes + 4)
     repeats = model.layers * train.micro_batches
@@ -213,10 +215,16 @@ def _ring_rates(problem: Problem, groups: list[Group], heads, classes: list[_Cla
         per_member = np.zeros(cls.size)
         for position in cls.positions:
             receiver, sender = groups[position][0], groups[position - 1][0]
-            nodes = cluster.devices[sender].node, cluster.devices[receiver].node
-            link_GBps = bandwidth[node_index[nodes[0]], node_index[nodes[1]]]
-            seconds_per_byte = problem.cost.transfer_time_s(sample_bytes, link_GBps, 0.0)
-            seconds_per_byte /= sample_bytes
+            link = (
+                node_index[cluster.devices[sender].node],
+                node_index[cluster.devices[receiver].node],
+            )
+            seconds_per_byte = problem.memo(
+                ("seconds per byte", link),
+                lambda link=link: (
+                    problem.cost.transfer_time_s(sample_bytes, bandwidth[link], 0.0) / sample_bytes
+                ),
+            )
             starts = np.concatenate([[0], np.cumsum(heads[position])[:-1]])
             for m, (start, count) in enumerate(zip(starts, heads[position])):
                 kv_in = -(-(start + count) // ratio) - start // ratio

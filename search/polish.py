@@ -34,7 +34,7 @@ from hexiseq.search.screen import (
 )
 from hexiseq.search.shortlist import screen_degrees
 
-POLISH_MAX_EVALUATIONS = 16
+POLISH_MAX_EVALUATIONS = 24
 POLISH_DEVICE_EVALUATIONS = 384
 """The polish evaluates at most POLISH_MAX_EVALUATIONS neighbours in full, and
 POLISH_DEVICE_EVALUATIONS / devices on larger clusters (none from 512 devices up)."""
@@ -111,9 +111,10 @@ def _worth_evaluating(
     current_plan: Plan | InfeasiblePlan,
     fresh: list[GlobalChoices],
 ) -> list[GlobalChoices]:
-    """The regrouped neighbours estimated faster than the current plan runs, best
-    POLISH_SCREENED first; then the ring-order and quantum neighbours that change the ring
-    (the screen cannot tell those apart)."""
+    """The ring-order and quantum neighbours that change the ring's layout (the screen
+    cannot tell those apart, and they leave the loads the search settled on), then the
+    regrouped neighbours estimated faster than the current plan runs, best POLISH_SCREENED
+    first."""
     current_s = _step_s(current_plan)
     same_grouping = [c for c in fresh if _grouping_key(c) == _grouping_key(current)]
     regrouped = [c for c in fresh if _grouping_key(c) != _grouping_key(current)]
@@ -121,14 +122,16 @@ def _worth_evaluating(
         (c for c in regrouped if estimate_s(problem, c) < current_s),
         key=lambda c: estimate_s(problem, c),
     )[:POLISH_SCREENED]
-    rings = {_ring_key(problem, current)}
-    reordered = []
+    here = _ring_key(problem, current)
+    seen, reordered = {here}, []
     for choices in same_grouping:
         ring = _ring_key(problem, choices)
-        if ring not in rings:
-            rings.add(ring)
+        if ring not in seen:
+            seen.add(ring)
             reordered.append(choices)
-    return faster + reordered
+    # the current ring at another quantum first, then other rings
+    reordered.sort(key=lambda c: _ring_key(problem, c)[0] != here[0])
+    return reordered + faster
 
 
 def _step_s(plan: Plan | InfeasiblePlan) -> float:
@@ -140,10 +143,12 @@ def _grouping_key(choices: GlobalChoices) -> tuple:
 
 
 def _ring_key(problem: Problem, choices: GlobalChoices) -> tuple:
-    """What a ring-order or quantum change changes: the ring of groups and the quantum."""
+    """What a ring-order or quantum change changes: the cycle of groups (up to rotation:
+    a rotated ring sends every block over the same links) and the quantum."""
     problem = with_checkpointing(problem, choices.activation_checkpointing)
     groups, _ = grouping(problem, choices)
-    return tuple(groups), resolved_quantum(problem, choices)
+    first = min(range(len(groups)), key=lambda i: min(groups[i]))
+    return tuple(groups[first:] + groups[:first]), resolved_quantum(problem, choices)
 
 
 def _node_swaps(plan: Plan | InfeasiblePlan) -> list[str]:

@@ -24,9 +24,11 @@ from hexiseq.search.greedy import (
 from hexiseq.search.screen import estimate_s
 
 SCREEN_KEEP = 3
-"""Screened candidates evaluated in full besides the greedy picks."""
-SCREEN_SWEEPS = 3
+SCREEN_KEEP_DEVICES = 768
+"""Screened candidates evaluated in full besides the greedy picks (`screen_keep`)."""
+SCREEN_SWEEPS = 2
 SCREEN_ALL_DEGREES = 8
+SCREEN_ALL_DEGREES_UP_TO = 64
 
 
 def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
@@ -60,7 +62,15 @@ def _descended(problem: Problem, starts: list[GlobalChoices]) -> list[GlobalChoi
             break
         best = moved
     ranked = sorted(scored.values(), key=lambda c: estimate_s(problem, c))
-    return [c for c in ranked if math.isfinite(estimate_s(problem, c))][:SCREEN_KEEP]
+    keep = screen_keep(problem.cluster.world_size)
+    return [c for c in ranked if math.isfinite(estimate_s(problem, c))][:keep]
+
+
+def screen_keep(world_size: int) -> int:
+    """Screened candidates evaluated in full per checkpointing setting: SCREEN_KEEP, fewer
+    from SCREEN_KEEP_DEVICES / SCREEN_KEEP devices up (an evaluation costs about in
+    proportion to the devices), at least one."""
+    return max(1, min(SCREEN_KEEP, SCREEN_KEEP_DEVICES // world_size))
 
 
 def _without_recompute(
@@ -79,10 +89,12 @@ def _without_recompute(
 
 
 def screen_degrees(problem: Problem, gpu: str) -> list[int]:
-    """HP degrees the screen tries for one type: every allowed one up to SCREEN_ALL_DEGREES
-    of them, else the powers of two and the largest."""
+    """HP degrees the screen tries for one type: every allowed one (up to SCREEN_ALL_DEGREES
+    of them, on clusters up to SCREEN_ALL_DEGREES_UP_TO devices, where a probe is cheap),
+    else the powers of two and the largest."""
     allowed = candidate_hp_degrees(problem.cluster, problem.model, gpu)
-    if len(allowed) <= SCREEN_ALL_DEGREES:
+    small = problem.cluster.world_size <= SCREEN_ALL_DEGREES_UP_TO
+    if small and len(allowed) <= SCREEN_ALL_DEGREES:
         return allowed
     powers = [d for d in allowed if d & (d - 1) == 0]
     return sorted({*powers, max(allowed)})
