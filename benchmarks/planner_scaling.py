@@ -120,14 +120,16 @@ def measure_cell(gpus: int, type_count: int, repeats: int) -> CellResult:
 
 
 def describe_speedup(result: SearchResult | None) -> str:
-    """Best plan over the strongest feasible baseline (homogeneous subset included), or why
-    there is no ratio."""
+    """Best plan over the strongest feasible baseline (homogeneous subset and data-parallel
+    replicas per GPU type included), or why there is no ratio."""
     if result is None:
         return "-"
-    feasible = [b for b in result.baselines.values() if isinstance(b, Plan)]
-    if feasible:
-        baseline = max(b.predicted.tokens_per_s for b in feasible)
-        return f"{result.best.predicted.tokens_per_s / baseline:.2f}x"
+    feasible = [b.predicted.tokens_per_s for b in result.baselines.values() if isinstance(b, Plan)]
+    replicas = result.data_parallel.tokens_per_s if result.data_parallel else 0.0
+    if feasible or replicas:
+        baseline = max([*feasible, replicas])
+        marker = " (DP replicas)" if replicas and replicas >= max(feasible, default=0.0) else ""
+        return f"{result.best.predicted.tokens_per_s / baseline:.2f}x{marker}"
     baselines = result.baselines.values()
     out_of_memory = any(isinstance(b, InfeasiblePlan) and b.missing_bytes for b in baselines)
     return "baselines OOM" if out_of_memory else "baselines infeasible"

@@ -103,10 +103,29 @@ def format_search_result(result: Any) -> str:
         + f"\nsearch: {_format_trials(result.trials)}"
         + "\n\nplan vs baselines (same simulator, same cost model):\n"
         + format_baselines(result.best, result.baselines)
+        + format_data_parallel(result)
     )
     if result.pareto:
         text += "\n\nPareto front (throughput vs memory headroom of the fullest device):\n"
         text += format_pareto(result.pareto)
+    return text
+
+
+def format_data_parallel(result: Any) -> str:
+    """The data-parallel-replicas baseline, and a plain note where it beats the plan."""
+    replicas = getattr(result, "data_parallel", None)
+    if replicas is None:
+        return ""
+    ratio = result.best.predicted.tokens_per_s / replicas.tokens_per_s
+    text = (
+        f"\n{replicas.describe()}: {replicas.tokens_per_s:,.1f} tokens/s "
+        f"(gradient all-reduce {replicas.gradient_sync_s:.2f} s per step); hexiseq {ratio:.2f}x"
+    )
+    if ratio < 1.0:
+        text += (
+            "\nnote: running each GPU type as its own data-parallel replica is predicted "
+            "faster than this plan; hexiseq cannot run data-parallel replicas yet"
+        )
     return text
 
 

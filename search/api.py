@@ -10,7 +10,12 @@ from hexiseq.errors import InfeasibleError, InputError
 from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
-from hexiseq.search.baselines import all_baselines, strongest
+from hexiseq.search.baselines import (
+    DataParallelBaseline,
+    all_baselines,
+    data_parallel,
+    strongest,
+)
 from hexiseq.search.options import SearchOptions, search_options
 from hexiseq.search.optuna_layer import run_study
 from hexiseq.units import parse_seq_len
@@ -36,6 +41,9 @@ class SearchResult:
     trials: list[Trial] = field(default_factory=list)
     pareto: list[Plan] = field(default_factory=list)
     study_name: str = ""
+    data_parallel: DataParallelBaseline | None = None
+    """Every GPU type that holds a sequence alone as its own data-parallel replica (None
+    with fewer than two such types): a baseline hexiseq cannot run yet (issue 15)."""
 
     @property
     def strongest_baseline(self) -> Plan | None:
@@ -50,6 +58,12 @@ class SearchResult:
             if other is None
             else self.best.predicted.tokens_per_s / other.predicted.tokens_per_s
         )
+
+    def speedup_over_data_parallel(self) -> float | None:
+        """Predicted throughput ratio best / data-parallel replicas (None: no such baseline)."""
+        if self.data_parallel is None:
+            return None
+        return self.best.predicted.tokens_per_s / self.data_parallel.tokens_per_s
 
     def speedup_over(self, baseline: str) -> float | None:
         """Predicted throughput ratio best / baseline (None when the baseline is infeasible)."""
@@ -132,7 +146,9 @@ def search(
             _infeasible_message(problem, candidates), _closest_missing(candidates)
         )
     best = max(feasible, key=lambda plan: plan.predicted.tokens_per_s)
-    return SearchResult(best, baselines, trials, outcome.pareto, outcome.study_name)
+    return SearchResult(
+        best, baselines, trials, outcome.pareto, outcome.study_name, data_parallel(problem)
+    )
 
 
 def _train_spec(cluster: Cluster, seq_len: int) -> TrainSpec:

@@ -9,6 +9,10 @@ and USP require) and model states sharded evenly.
 - homogeneous-subset: what a careful engineer does with a mixed cluster and a homogeneous
   system: drop the other cards and run the best uniform grid on one GPU type's nodes alone
   (every type tried, the fastest that fits kept; the plan's cluster is that subset).
+- data-parallel replicas (`data_parallel`, not a `Plan`: one CP-HP plan cannot describe it):
+  every GPU type whose nodes hold a sequence alone runs its own best uniform grid as a
+  data-parallel replica on its own sequences, as many per step as balance the replicas,
+  gradients all-reduced across replicas each step. Types that cannot hold a sequence sit out.
 
 Grids are scored without activation checkpointing first: where that fits, the recompute
 could only add time, so the checkpointed variant is not simulated.
@@ -16,7 +20,8 @@ could only add time, so the checkpointed variant is not simulated.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import math
+from dataclasses import dataclass, replace
 
 from hexiseq.costmodel.memory import even_state_fractions
 from hexiseq.layout import build_uniform_layout
@@ -104,6 +109,24 @@ def uniform_usp(problem: Problem) -> Plan | InfeasiblePlan:
     return InfeasiblePlan("uniform-usp", "no uniform HP x CP grid divides heads and devices")
 
 
+def type_subsets(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
+    """Per GPU type, the best uniform grid on that type's nodes alone (`uniform_usp` of the
+    sub-cluster), computed once per search."""
+    return problem.memo(("type subsets", problem.train), lambda: _type_subsets(problem))
+
+
+def _type_subsets(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
+    cluster, plans = problem.cluster, {}
+    for gpu in cluster.gpu_types:
+        nodes = [node.name for node in cluster.nodes if node.gpu == gpu]
+        subset = cluster.subset(nodes, f"{cluster.name}[{gpu} only]")
+        sub_problem = Problem(
+            subset, problem.model, problem.train, problem.cost, problem.checkpointing_options
+        )
+        plans[gpu] = uniform_usp(sub_problem)
+    return plans
+
+
 def homogeneous_subset(problem: Problem) -> Plan | InfeasiblePlan:
     """The best uniform grid on one GPU type's nodes alone, the fastest type that fits."""
     cluster = problem.cluster
@@ -112,13 +135,9 @@ def homogeneous_subset(problem: Problem) -> Plan | InfeasiblePlan:
             "homogeneous-subset", "the cluster is homogeneous already (see uniform-usp)"
         )
     found, short = [], []
-    for gpu in cluster.gpu_types:
+    for gpu, plan in type_subsets(problem).items():
         nodes = [node.name for node in cluster.nodes if node.gpu == gpu]
-        subset = cluster.subset(nodes, f"{cluster.name}[{gpu} only]")
-        sub_problem = Problem(
-            subset, problem.model, problem.train, problem.cost, problem.checkpointing_options
-        )
-        plan = uniform_usp(sub_problem)
+        subset = plan.cluster if isinstance(plan, Plan) else cluster.subset(nodes)
         label = f"homogeneous-subset ({gpu} x {subset.world_size}, {plan.name})"
         if isinstance(plan, Plan):
             dropped = cluster.world_size - subset.world_size
@@ -149,6 +168,83 @@ def all_baselines(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
     if len(problem.cluster.gpu_types) > 1:
         baselines["homogeneous-subset"] = homogeneous_subset(problem)
     return baselines
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One GPU type's data-parallel replica: its plan and its sequences per step."""
+
+    gpu: str
+    plan: Plan
+    sequences: int
+
+
+@dataclass(frozen=True)
+class DataParallelBaseline:
+    """Every GPU type that holds a sequence alone as its own data-parallel replica."""
+
+    replicas: tuple[Replica, ...]
+    gradient_sync_s: float
+    step_time_s: float
+    tokens_per_s: float
+    idle_types: tuple[str, ...] = ()
+
+    name = "data-parallel replicas"
+
+    def describe(self) -> str:
+        parts = [
+            f"{r.gpu} x {r.plan.cluster.world_size}: {r.sequences} seq/step" for r in self.replicas
+        ]
+        idle = f"; idle: {', '.join(self.idle_types)}" if self.idle_types else ""
+        return f"{self.name} ({'; '.join(parts)}{idle})"
+
+
+MAX_SEQUENCES_PER_REPLICA = 8
+
+
+def data_parallel(problem: Problem) -> DataParallelBaseline | None:
+    """Each GPU type that fits a sequence alone as a data-parallel replica running its best
+    uniform grid; per step, replica t takes k_t sequences (1..MAX_SEQUENCES_PER_REPLICA,
+    chosen to balance the replicas' step times), then the replicas all-reduce their FP32
+    gradients across the network. None with fewer than two such types (then it is the
+    homogeneous subset)."""
+    fitting = {gpu: p for gpu, p in type_subsets(problem).items() if isinstance(p, Plan)}
+    if len(fitting) < 2 or len(problem.cluster.gpu_types) < 2:
+        return None
+    sync_s = _gradient_sync_s(problem, [p.cluster.world_size for p in fitting.values()])
+    seq_len = problem.train.tokens_per_step
+    steps = {gpu: plan.predicted.step_time_s for gpu, plan in fitting.items()}
+    best = None
+    for horizon_s in sorted(
+        k * s for s in steps.values() for k in range(1, MAX_SEQUENCES_PER_REPLICA + 1)
+    ):
+        counts = {
+            gpu: min(MAX_SEQUENCES_PER_REPLICA, math.floor(horizon_s / s + 1e-9))
+            for gpu, s in steps.items()
+        }
+        counts = {gpu: k for gpu, k in counts.items() if k >= 1}
+        step_s = max(counts[gpu] * steps[gpu] for gpu in counts) + sync_s
+        rate = seq_len * sum(counts.values()) / step_s
+        if best is None or rate > best[0]:
+            best = (rate, step_s, counts)
+    rate, step_s, counts = best
+    replicas = tuple(Replica(gpu, fitting[gpu], k) for gpu, k in counts.items())
+    idle = tuple(gpu for gpu in problem.cluster.gpu_types if gpu not in counts)
+    return DataParallelBaseline(replicas, sync_s, step_s, rate, idle)
+
+
+def _gradient_sync_s(problem: Problem, replica_sizes: list[int]) -> float:
+    """Ring all-reduce of the FP32 gradients across replicas, each rank exchanging its
+    shard with its peers over the network: 2 (R - 1) / R of the largest shard."""
+    count = len(replica_sizes)
+    shard_bytes = 4.0 * problem.model.params / min(replica_sizes)
+    moved = 2.0 * (count - 1) / count * shard_bytes
+    cluster = problem.cluster
+    return float(
+        problem.cost.transfer_time_s(
+            moved, cluster.inter_node_GBps, cluster.inter_node_latency_us * 1e-6
+        )
+    )
 
 
 def strongest(baselines: dict[str, Plan | InfeasiblePlan]) -> Plan | None:

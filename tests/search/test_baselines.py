@@ -10,7 +10,9 @@ from hexiseq.plan import InfeasiblePlan
 from hexiseq.search import plan_search
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.baselines import (
+    MAX_SEQUENCES_PER_REPLICA,
     all_baselines,
+    data_parallel,
     homogeneous_subset,
     ring_only,
     strongest,
@@ -102,3 +104,53 @@ def test_speedups_are_reported_against_the_strongest_feasible_baseline():
     assert result.speedup_over_strongest() <= min(
         result.speedup_over(name) for name, b in result.baselines.items() if isinstance(b, Plan)
     )
+
+
+def test_data_parallel_replicas_balance_the_types_and_pay_the_gradient_sync():
+    problem = problem_for(Cluster.preset("h100x8-a100x8"), "llama-30b", 128 * 1024)
+    replicas = data_parallel(problem)
+    assert replicas is not None and {r.gpu for r in replicas.replicas} == {"H100-SXM", "A100-80G"}
+    steps = [r.sequences * r.plan.predicted.step_time_s for r in replicas.replicas]
+    assert replicas.step_time_s == pytest.approx(max(steps) + replicas.gradient_sync_s)
+    sequences = sum(r.sequences for r in replicas.replicas)
+    assert replicas.tokens_per_s == pytest.approx(128 * 1024 * sequences / replicas.step_time_s)
+    # the faster type takes more sequences, each replica at most MAX_SEQUENCES_PER_REPLICA
+    by_gpu = {r.gpu: r for r in replicas.replicas}
+    assert by_gpu["H100-SXM"].sequences >= by_gpu["A100-80G"].sequences
+    assert all(1 <= r.sequences <= MAX_SEQUENCES_PER_REPLICA for r in replicas.replicas)
+    # no better balance exists among the counts it may choose
+    rates = [
+        128
+        * 1024
+        * (h + a)
+        / (
+            max(
+                h * by_gpu["H100-SXM"].plan.predicted.step_time_s,
+                a * by_gpu["A100-80G"].plan.predicted.step_time_s,
+            )
+            + replicas.gradient_sync_s
+        )
+        for h in range(1, 9)
+        for a in range(1, 9)
+    ]
+    assert replicas.tokens_per_s == pytest.approx(max(rates))
+    assert replicas.gradient_sync_s > 0
+
+
+def test_data_parallel_needs_two_types_that_hold_a_sequence_each():
+    small = problem_for(Cluster.preset("mix4-32"), "llama3-70b", 256 * 1024)
+    assert data_parallel(small) is None  # no type holds 256K of a 70B model alone
+    one_type = Cluster.from_dict(
+        {"name": "one-type", "nodes": [{"name": "n0", "gpu": "H100-SXM", "count": 8}]}
+    )
+    assert data_parallel(problem_for(one_type, "llama3-8b", 65536)) is None
+
+
+def test_the_cli_says_when_replicas_would_beat_the_plan(tmp_path):
+    from hexiseq.report import format_search_result
+
+    result = plan_search("h100x8-a100x8", "llama-30b", "128k")
+    text = format_search_result(result)
+    assert "data-parallel replicas (H100-SXM x 8" in text
+    ratio = result.speedup_over_data_parallel()
+    assert (ratio < 1.0) == ("hexiseq cannot run data-parallel replicas yet" in text)

@@ -122,7 +122,6 @@ def test_the_relaxed_bound_is_none_when_nothing_fits():
     problem = problem_for(Cluster.preset("mix4-32"), "llama-30b", 1024 * 1024)
     choices = GlobalChoices({"H200": 8, "H100-SXM": 8, "A100-80G": 8, "L40S": 1})
     groups, heads = grouping(problem, choices)
-    classes = _classes(problem, groups, heads)
     layout = even_layout(problem, groups, heads, 256)
     rates = rates_of(simulated(problem, layout), layout)
     assert relaxed_step_s(problem, groups, heads, 256, rates) is None
