@@ -302,12 +302,14 @@ def estimate_memory(
     `MemoryBreakdown` per rank."""
     fractions = state_fractions or even_state_fractions(layout.world_size)
     calibrations = calibrations or {}
-    return [
-        rank_memory(model, train, shape, fraction, calibrations.get(device.gpu))
-        for shape, fraction, device in zip(
-            rank_shapes(cluster, layout), fractions, cluster.devices
-        )
-    ]
+    found: dict[tuple, MemoryBreakdown] = {}  # ranks of one shape, share and GPU: one model
+    breakdowns = []
+    for shape, fraction, device in zip(rank_shapes(cluster, layout), fractions, cluster.devices):
+        key = (shape, fraction, device.gpu)
+        if key not in found:
+            found[key] = rank_memory(model, train, shape, fraction, calibrations.get(device.gpu))
+        breakdowns.append(found[key])
+    return breakdowns
 
 
 def rank_memory(

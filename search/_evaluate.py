@@ -80,11 +80,13 @@ def _shortfall(
     memory = estimate_memory(
         problem.cluster, problem.model, problem.train, layout, fractions, calibrations
     )
-    return {
-        rank: m.peak_bytes - limit
-        for rank, (m, limit) in enumerate(zip(memory, problem.limits()))
-        if m.peak_bytes > limit
-    }
+    peaks: dict[int, int] = {}  # ranks of one shape share one breakdown
+    missing = {}
+    for rank, (m, limit) in enumerate(zip(memory, problem.limits())):
+        peak = peaks.setdefault(id(m), m.peak_bytes)
+        if peak > limit:
+            missing[rank] = peak - limit
+    return missing
 
 
 def evaluate(
@@ -147,15 +149,22 @@ def build_plan(
 
 def plan_prediction(prediction: StepPrediction) -> Prediction:
     """The simulator's `StepPrediction` as a plan's `predicted` (per-rank times and memory)."""
-    ranks = tuple(
-        RankPrediction(
-            **prediction.rank_times[r].to_dict(),
-            memory_bytes=prediction.memory[r].peak_bytes,
-            memory_capacity_bytes=prediction.memory_capacity_bytes[r],
-            memory_terms=prediction.memory[r].terms(),
+    memory: dict[int, tuple[int, dict]] = {}  # ranks of one shape share one breakdown
+    for breakdown in prediction.memory:
+        if id(breakdown) not in memory:
+            memory[id(breakdown)] = (breakdown.peak_bytes, breakdown.terms())
+    ranks = []
+    for r, breakdown in enumerate(prediction.memory):
+        peak, terms = memory[id(breakdown)]
+        ranks.append(
+            RankPrediction(
+                **prediction.rank_times[r].to_dict(),
+                memory_bytes=peak,
+                memory_capacity_bytes=prediction.memory_capacity_bytes[r],
+                memory_terms=dict(terms),
+            )
         )
-        for r in range(len(prediction.rank_times))
-    )
+    ranks = tuple(ranks)
     return Prediction(
         prediction.step_time_s, prediction.tokens_per_s, ranks, prediction.cost_model_labels
     )

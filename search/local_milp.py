@@ -337,11 +337,8 @@ class _Model:
         step time: `_fastest_units` solves it exactly, and an LP re-solves the state shares
         and headroom for those units. Branch and bound runs only where that finds no split
         (the relaxed shares leave no integer room)."""
-        rows = _Rows()
-        self._time_rows(rows, times)
-        self._sum_rows(rows)
-        self._memory_rows(rows, slack=None)
-        fastest = self._run(rows, self.step, relaxed=True)
+        rows = self._rows(times)
+        fastest = self._relaxed(times)
         if fastest is None:  # the relaxation is infeasible, so is every integer split
             return None
         bound_s = fastest[self.step]
@@ -356,23 +353,37 @@ class _Model:
     def fastest_units(self, times) -> list[int] | None:
         """Integer units of the fastest split for the relaxation's state shares (no
         headroom stage): where the next linearization is taken. None if nothing fits."""
-        rows = _Rows()
-        self._time_rows(rows, times)
-        self._sum_rows(rows)
-        self._memory_rows(rows, slack=None)
-        fastest = self._run(rows, self.step, relaxed=True)
+        fastest = self._relaxed(times)
         if fastest is None:
             return None
         units = self._fastest_units(times, self._unit_ceilings(fastest), fastest[self.step])
         return None if units is None else [int(u) for u in units]
 
     def relaxed_step_s(self, times: list) -> float | None:
+        fastest = self._relaxed(times)
+        return None if fastest is None else float(fastest[self.step])
+
+    def _rows(self, times) -> _Rows:
         rows = _Rows()
         self._time_rows(rows, times)
         self._sum_rows(rows)
         self._memory_rows(rows, slack=None)
-        fastest = self._run(rows, self.step, relaxed=True)
-        return None if fastest is None else float(fastest[self.step])
+        return rows
+
+    def _relaxed(self, times):
+        """The LP relaxation's fastest solution, once per groups, quantum and times in a
+        search (the screen and the full evaluation ask for the same one)."""
+        key = (
+            "relaxed",
+            self.problem.train,
+            tuple(self.groups),
+            tuple(cls.heads for cls in self.classes),
+            self.quantum,
+            tuple((unit.tobytes(), fixed.tobytes()) for unit, fixed in times),
+        )
+        return self.problem.memo(
+            key, lambda: self._run(self._rows(times), self.step, relaxed=True)
+        )
 
     def _branch_and_bound(self, times: list[np.ndarray]):
         rows = _Rows()
