@@ -79,11 +79,18 @@ class Row:
     max_memory: float | None
     baseline: Baseline | None
     own_tokens_per_s: float | None = None  # hexiseq's best own (hierarchical) plan
+    replicas_tokens_per_s: float | None = None  # every type its own data-parallel replica
 
     @property
     def own_shortfall(self) -> float:
         """How much slower hexiseq's own best plan is than the returned best plan."""
         return 1 - (self.own_tokens_per_s or 0.0) / (self.tokens_per_s or 1.0)
+
+    @property
+    def replicas_speedup(self) -> float | None:
+        if self.tokens_per_s is None or self.replicas_tokens_per_s is None:
+            return None
+        return self.tokens_per_s / self.replicas_tokens_per_s
 
     @property
     def speedup(self) -> float | None:
@@ -130,6 +137,7 @@ def run_scenario(group: str, cluster: str, model: str, seq_len: str) -> Row:
         best.predicted.max_memory_fraction,
         best_baseline(result.baselines),
         max((t.tokens_per_s for t in result.trials if _own(t)), default=None),
+        result.data_parallel.tokens_per_s if result.data_parallel else None,
     )
 
 
@@ -266,8 +274,8 @@ def _speedup(value: float | None) -> str:
 def scenario_table(rows: list[Row]) -> str:
     lines = [
         "| scenario | cluster | GPUs | model | tokens | hexiseq tok/s | ckpt | best baseline "
-        "| tok/s | speedup | hexiseq max mem |",
-        "|---|---|---:|---|---|---:|---|---|---:|---:|---:|",
+        "| tok/s | speedup | DP replicas tok/s | vs DP replicas | hexiseq max mem |",
+        "|---|---|---:|---|---|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         best = f" ({r.plan_name})" if r.plan_name not in ("hexiseq", "") else ""
@@ -277,7 +285,8 @@ def scenario_table(rows: list[Row]) -> str:
         lines.append(
             f"| {r.group} | {r.cluster} | {r.gpus} | {r.model} | {r.seq_len} | "
             f"{_number(r.tokens_per_s)}{best} | {checkpointing} | {name} | {tokens} | "
-            f"{_speedup(r.speedup)} | {memory} |"
+            f"{_speedup(r.speedup)} | {_number(r.replicas_tokens_per_s)} | "
+            f"{_speedup(r.replicas_speedup)} | {memory} |"
         )
     return "\n".join(lines)
 
@@ -316,11 +325,27 @@ def speedup_line(rows: list[Row]) -> str:
     )
 
 
+def replicas_line(rows: list[Row]) -> str:
+    """hexiseq against every GPU type as its own data-parallel replica, where each type holds
+    a sequence alone (a baseline hexiseq cannot run yet)."""
+    compared = [r for r in rows if r.replicas_speedup is not None]
+    if not compared:
+        return "data-parallel replicas: no scenario where two types each hold a sequence"
+    ratios = [r.replicas_speedup for r in compared]
+    beaten = sum(1 for v in ratios if v < 1.0)
+    return (
+        f"against data-parallel replicas per GPU type ({len(compared)} scenarios where every "
+        f"fitting type holds a sequence alone): average {statistics.mean(ratios):.2f}x, min "
+        f"{min(ratios):.2f}x, max {max(ratios):.2f}x; the replicas are faster in {beaten}"
+    )
+
+
 def summary(rows: list[Row], pairs: list[PairRow]) -> list[str]:
     all_oom = [r for r in rows if r.tokens_per_s is not None and r.baseline is None]
     none_fits = [r for r in rows if r.tokens_per_s is None]
     lines = [
         speedup_line(rows),
+        replicas_line(rows),
         f"every baseline OOM while hexiseq fits ({len(all_oom)}, not in the averages): "
         + (", ".join(f"{r.cluster} {r.model} @ {r.seq_len}" for r in all_oom) or "none"),
         "no plan fits at all: "

@@ -28,7 +28,7 @@ from _results import replace_section
 from hexiseq import plan_search
 
 CLUSTER, MODEL, SEQ_LEN = "mix4-32", "llama-30b", "512k"
-TRIALS, REPEATS, WORKERS = 60, 2, (1, 2)
+TRIALS, REPEATS, WORKERS = 200, 2, (1, 2)
 
 
 def one_run(workers: int, folder: Path, index: int) -> tuple[float, int, int, float]:
