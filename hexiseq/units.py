@@ -10,6 +10,11 @@ _SUFFIX = {"": 1, "k": 1024, "m": 1024**2}
 _PATTERN = re.compile(r"^\s*(\d+)\s*([kKmM]?)\s*$")
 
 
+MAX_SEQ_LEN = 2**27
+"""128M tokens: far beyond any model's context today, and small enough that every count the
+planner derives from it stays a machine integer."""
+
+
 def parse_seq_len(text: str | int) -> int:
     """Tokens in a sequence: `131072`, `128k` (= 131072) or `1M` (= 1048576).
 
@@ -32,6 +37,11 @@ def parse_seq_len(text: str | int) -> int:
         value = int(match.group(1)) * _SUFFIX[match.group(2).lower()]
     if value < 2:
         raise InputError(f"--seq-len must be at least 2 tokens (got {value})")
+    if value > MAX_SEQ_LEN:
+        raise InputError(
+            f"--seq-len {value:,} is beyond the longest sequence hexiseq plans "
+            f"({MAX_SEQ_LEN:,} tokens, {format_tokens(MAX_SEQ_LEN)})"
+        )
     return value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel import CostModel, DatasheetCostModel
@@ -126,11 +127,12 @@ def search(
     cluster: Cluster | str, model: ModelSpec | str, seq_len: int | str, options: SearchOptions
 ) -> SearchResult:
     """`plan_search` with its options as one validated object."""
-    cluster_spec = cluster if isinstance(cluster, Cluster) else Cluster.load(cluster)
+    cluster_spec = _cluster(cluster)
+    seq_len_tokens = _seq_len(cluster_spec, parse_seq_len(seq_len))
     problem = Problem(
         cluster=cluster_spec,
-        model=model if isinstance(model, ModelSpec) else ModelSpec.preset(model),
-        train=_train_spec(cluster_spec, parse_seq_len(seq_len)),
+        model=_model(model),
+        train=_train_spec(cluster_spec, seq_len_tokens),
         cost=options.cost_model or DatasheetCostModel(),
         checkpointing_options=options.checkpointing_options,
     )
@@ -149,6 +151,36 @@ def search(
     return SearchResult(
         best, baselines, trials, outcome.pareto, outcome.study_name, data_parallel(problem)
     )
+
+
+def _cluster(cluster) -> Cluster:
+    if isinstance(cluster, Cluster):
+        return cluster
+    if not isinstance(cluster, (str, Path)):
+        raise InputError(
+            f"cluster must be a hexiseq.Cluster, a preset name or a YAML path (got {cluster!r})"
+        )
+    return Cluster.load(str(cluster))
+
+
+def _model(model) -> ModelSpec:
+    if isinstance(model, ModelSpec):
+        return model
+    if not isinstance(model, str):
+        raise InputError(f"model must be a hexiseq.ModelSpec or a preset name (got {model!r})")
+    return ModelSpec.preset(model)
+
+
+def _seq_len(cluster: Cluster, tokens: int) -> int:
+    """The sequence must split into an even number of zigzag chunks of whole tokens, at least
+    one pair of tokens per device."""
+    world = cluster.world_size
+    if tokens % 2 or tokens < 2 * world:
+        raise InputError(
+            f"--seq-len {tokens:,} cannot be split over {cluster.name}'s {world} devices: "
+            f"give an even number of tokens, at least 2 per device ({2 * world:,})"
+        )
+    return tokens
 
 
 def _train_spec(cluster: Cluster, seq_len: int) -> TrainSpec:

@@ -3,8 +3,12 @@ conversions between choices and Optuna parameters, and opening a (stored) study.
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import optuna
-from sqlalchemy.exc import ArgumentError
+from optuna.storages import RetryFailedTrialCallback
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
@@ -88,25 +92,99 @@ class Objective:
         )
 
 
+HEARTBEAT_S = 10
+GRACE_S = 60
+"""A stored study's running trials beat every HEARTBEAT_S; one silent for GRACE_S (its process
+was killed) is failed by the next search on the study and retried once."""
+
+
 def create_study(storage: str | None, name: str, seed: int, multi_objective: bool):
+    """The study `name` in `storage` (created if new; in memory without a storage), with
+    heartbeats on stored trials. A URL that cannot be used, or a study of the other kind
+    (single- vs multi-objective), is one masked `InputError`."""
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
     directions = ["maximize", "maximize"] if multi_objective else ["maximize"]
     try:
-        return optuna.create_study(
-            storage=storage,
+        study = optuna.create_study(
+            storage=_storage(storage),
             study_name=name,
             sampler=sampler,
             directions=directions,
             load_if_exists=True,
         )
-    except (ArgumentError, ImportError) as error:
+    except (ArgumentError, ImportError, SQLAlchemyError) as error:
         # SQLAlchemy's message repeats the URL, password and all: one masked line instead.
         reason = mask_url_passwords((str(error).splitlines() or [type(error).__name__])[0])
         raise InputError(
             f"storage URL {display_url(str(storage))!r} is not usable: {reason}"
         ) from None
+    except ValueError as error:  # e.g. a stored study with other directions
+        reason = mask_url_passwords((str(error).splitlines() or ["ValueError"])[0])
+        raise InputError(f"study {name!r} cannot be used for this search: {reason}") from None
+    if len(study.directions) != len(directions):
+        kinds = {1: "throughput only", 2: "throughput and memory headroom (Pareto)"}
+        raise InputError(
+            f"study {name!r} was made to search {kinds[len(study.directions)]}, this search "
+            f"wants {kinds[len(directions)]}; use another storage or study_name"
+        )
+    return study
+
+
+def _storage(url: str | None):
+    if url is None:
+        return None
+    with warnings.catch_warnings():  # heartbeats are marked experimental; they are what we want
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        # Optuna 4.9 renamed the callback; older releases (>= 3.4 allowed) know the old name.
+        parameters = inspect.signature(optuna.storages.RDBStorage).parameters
+        name = "heartbeat_stale_trial_callback"
+        if name not in parameters:
+            name = "failed_trial_callback"
+        return optuna.storages.RDBStorage(
+            url,
+            heartbeat_interval=HEARTBEAT_S,
+            grace_period=GRACE_S,
+            **{name: RetryFailedTrialCallback(max_retry=1)},
+        )
+
+
+def check_search_space(study, problem: Problem) -> None:
+    """Refuse a stored study whose trials chose from another search space (another cluster's
+    GPU types, other checkpointing options or quanta): their plans cannot be rebuilt."""
+    allowed = {
+        f"hp_degree[{gpu}]": set(candidate_hp_degrees(problem.cluster, problem.model, gpu))
+        for gpu in problem.cluster.gpu_types
+    }
+    allowed.update(
+        ring_order=None,  # strategies and explicit node orders: checked when laid out
+        chunk_quantum=set(quantum_choices(problem)),
+        activation_checkpointing=set(problem.checkpointing_options),
+    )
+    for trial in study.trials:
+        if not trial.params:
+            continue
+        names = set(trial.params)
+        wrong = [
+            name
+            for name, value in trial.params.items()
+            if name in allowed and allowed[name] is not None and value not in allowed[name]
+        ]
+        if names != set(allowed) or wrong:
+            detail = ", ".join(sorted(names ^ set(allowed))) or ", ".join(
+                f"{name}={trial.params[name]!r}" for name in wrong
+            )
+            raise InputError(
+                f"study {study.study_name!r} was searched over another space (trial "
+                f"{trial.number}: {detail}); use another storage, or another study_name in "
+                "plan_search"
+            )
 
 
 def default_study_name(problem: Problem, multi_objective: bool) -> str:
+    """cluster/model/tokens/kind, with the checkpointing setting where it is forced (a
+    forced search is another search space)."""
     kind = "pareto" if multi_objective else "throughput"
-    return f"{problem.cluster.name}/{problem.model.name}/{problem.train.seq_len}/{kind}"
+    name = f"{problem.cluster.name}/{problem.model.name}/{problem.train.seq_len}/{kind}"
+    if len(problem.checkpointing_options) == 1:
+        name += "/checkpointing-" + ("on" if problem.checkpointing_options[0] else "off")
+    return name

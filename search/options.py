@@ -36,11 +36,11 @@ class SearchOptions(BaseModel):
     """
 
     model_config = ConfigDict(
-        extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False
+        extra="forbid", frozen=True, arbitrary_types_allowed=True, allow_inf_nan=False, strict=True
     )
 
     time_budget_s: float | None = Field(default=None, gt=0)
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, le=2**32 - 1)
     storage: str | None = None
     n_trials: int | None = Field(default=None, ge=1)
     workers: int = Field(default=1, ge=1)
@@ -92,7 +92,9 @@ _RULES = {
     "n_trials": "n_trials must be at least 1",
     "workers": "workers must be at least 1",
     "study_name": "study name must not be empty",
+    "seed": "seed must be a whole number from 0 to 2**32 - 1",
 }
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than_equal", "finite_number"}
 
 
 def _one_line(error: ValidationError) -> str:
@@ -104,5 +106,7 @@ def _one_line(error: ValidationError) -> str:
         return f"plan_search has no option '{field}'; options: {allowed}"
     if field == "options":
         return first["msg"].removeprefix("Value error, ")
-    rule = _RULES.get(field, f"search option {field}: {first['msg'].lower()}")
+    generic = f"search option {field}: {first['msg'].lower()}"
+    in_range = first["type"] in _RANGE_ERRORS or first["type"].startswith("string_too")
+    rule = _RULES.get(field, generic) if in_range else generic
     return f"{rule} (got {value!r})"
