@@ -135,17 +135,21 @@ def _storage(url: str | None):
         return None
     with warnings.catch_warnings():  # heartbeats are marked experimental; they are what we want
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        # Optuna 4.9 renamed the callback; older releases (>= 3.4 allowed) know the old name.
+        # Optuna 4.9 renamed the callback; older releases (>= 3.4 allowed) know the old names.
         parameters = inspect.signature(optuna.storages.RDBStorage).parameters
-        name = "heartbeat_stale_trial_callback"
-        if name not in parameters:
-            name = "failed_trial_callback"
+        if "heartbeat_stale_trial_callback" in parameters:
+            retry = {"heartbeat_stale_trial_callback": _retry_callback()}
+        else:
+            retry = {"failed_trial_callback": _retry_callback()}
         return optuna.storages.RDBStorage(
-            url,
-            heartbeat_interval=HEARTBEAT_S,
-            grace_period=GRACE_S,
-            **{name: RetryFailedTrialCallback(max_retry=1)},
+            url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **retry
         )
+
+
+def _retry_callback():
+    """Retry a stale trial once (Optuna's callback, under its name of the installed release)."""
+    callback = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
+    return (callback or RetryFailedTrialCallback)(max_retry=1)
 
 
 def check_search_space(study, problem: Problem) -> None:
