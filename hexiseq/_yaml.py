@@ -20,6 +20,10 @@ def read_yaml_file(path: str | Path, what: str) -> Any:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise InputError(f"{what} file {path}: cannot be read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{what} file {path}: not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML"
+        ) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -213,6 +213,11 @@ class Plan:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise InputError(f"plan file {path}: cannot be read ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise InputError(
+                f"plan file {path}: not UTF-8 text (byte {exc.start}); a plan is JSON as "
+                "`hexiseq plan --out` writes it"
+            ) from None
         return cls.from_json_text(text, source=f"plan file {path}")
 
 

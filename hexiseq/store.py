@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
 
+import sqlalchemy
 from sqlalchemy import (
     DateTime,
     Engine,
@@ -402,6 +403,7 @@ def _prepare_schema(engine: Engine, display_url: str) -> None:
     except SQLAlchemyError as error:
         raise InputError(f"store {display_url} cannot be opened: {_one_line(error)}") from None
     try:
+        _refuse_foreign(engine, display_url)
         with Session(engine) as session, session.begin():
             StoreMetaRow.__table__.create(session.connection(), checkfirst=True)
             _check_schema_version(session, display_url)
@@ -416,6 +418,17 @@ def _prepare_schema(engine: Engine, display_url: str) -> None:
         raise InputError(
             f"store {display_url} is not a hexiseq store: {_one_line(error)}"
         ) from None
+
+
+def _refuse_foreign(engine: Engine, display_url: str) -> None:
+    """A database with tables but no hexiseq metadata is someone else's: write nothing to it."""
+    tables = sorted(sqlalchemy.inspect(engine).get_table_names())
+    if tables and StoreMetaRow.__tablename__ not in tables:
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        raise InputError(
+            f"store {display_url} is not a hexiseq store: it holds tables ({shown}) but no "
+            f"{StoreMetaRow.__tablename__}; give a new database or a hexiseq store"
+        )
 
 
 def _check_schema_version(session: Session, display_url: str) -> None:

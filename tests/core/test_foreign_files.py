@@ -1,0 +1,47 @@
+"""Files and databases that are not hexiseq's get one clear error and are left untouched."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from hexiseq import Cluster, Plan
+from hexiseq.errors import InputError
+from hexiseq.store import Store
+from hexiseq.units import MAX_SEQ_LEN, parse_seq_len
+
+
+def test_a_foreign_sqlite_database_is_refused_and_not_written(tmp_path):
+    path = tmp_path / "theirs.db"
+    with sqlite3.connect(path) as connection:
+        connection.execute("create table plans (id integer primary key, x text)")
+    with pytest.raises(InputError, match=r"not a hexiseq store: it holds tables \(plans\)"):
+        Store.open(f"sqlite:///{path}")
+    with sqlite3.connect(path) as connection:
+        tables = [row[0] for row in connection.execute("select name from sqlite_master")]
+    assert tables == ["plans"]
+
+
+def test_a_new_empty_database_becomes_a_store(tmp_path):
+    path = tmp_path / "new.db"
+    sqlite3.connect(path).close()  # an empty file: nobody's tables yet
+    store = Store.open(f"sqlite:///{path}")
+    assert store.list_plans() == []
+
+
+@pytest.mark.parametrize("loader", ["cluster", "plan"])
+def test_files_that_are_not_utf8_are_one_line(tmp_path, loader):
+    path = tmp_path / ("c.yaml" if loader == "cluster" else "p.json")
+    path.write_bytes(b"\xff\xfe\x00not text")
+    with pytest.raises(InputError, match="not UTF-8 text") as caught:
+        Cluster.from_yaml(path) if loader == "cluster" else Plan.from_json(path)
+    assert "\n" not in str(caught.value)
+
+
+def test_sequence_lengths_have_an_upper_limit():
+    assert parse_seq_len(MAX_SEQ_LEN) == MAX_SEQ_LEN
+    with pytest.raises(InputError, match="beyond the longest sequence"):
+        parse_seq_len(MAX_SEQ_LEN + 2)
+    with pytest.raises(InputError, match="beyond the longest sequence"):
+        parse_seq_len(10**20)
