@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -272,8 +273,59 @@ def _check_consistent(plan: Plan, source: str) -> None:
             problems.append(f"{len(items)} {what} for {world} devices")
     if any(rank.memory_capacity_bytes <= 0 for rank in plan.predicted.ranks):
         problems.append("a memory_capacity_bytes is not positive")
+    if not problems:  # the per-rank checks need matching lengths
+        problems += _assignment_problems(plan) + _prediction_problems(plan.predicted)
     if problems:
-        raise InputError(f"{source}: inconsistent plan: {'; '.join(problems)}")
+        raise InputError(f"{source}: inconsistent plan: {'; '.join(problems[:3])}")
+
+
+def _assignment_problems(plan: Plan) -> list[str]:
+    """Each rank's assignment must be what the layout and the cluster say, its state share a
+    finite non-negative number, and the shares must add up to 1."""
+    layout, devices = plan.attention_layout, plan.cluster.devices
+    problems = []
+    for index, a in enumerate(plan.assignments):
+        device = devices[index]
+        expected = (index, device.gpu, device.node, layout.num_tokens(index))
+        if (a.rank, a.gpu, a.node, a.tokens) != expected:
+            problems.append(
+                f"assignment {index} says rank {a.rank}, {a.gpu} on {a.node}, {a.tokens} tokens; "
+                f"the cluster and layout say rank {index}, {device.gpu} on {device.node}, "
+                f"{expected[3]} tokens"
+            )
+        elif tuple(a.head_range) != tuple(layout.head_ranges[index]):
+            problems.append(f"assignment {index} heads {a.head_range} differ from the layout's")
+        if not (math.isfinite(a.state_fraction) and a.state_fraction >= 0):
+            problems.append(f"assignment {index} has state_fraction {a.state_fraction}")
+    total = math.fsum(a.state_fraction for a in plan.assignments)
+    if not problems and abs(total - 1.0) > 1e-6:
+        problems.append(f"state fractions add up to {total:g}, not 1")
+    return problems
+
+
+ROUNDING_S = 1e-9  # a part computed as a difference may come out a rounding error below zero
+
+
+def _prediction_problems(predicted: Prediction) -> list[str]:
+    """Predictions must be finite: a positive step time and throughput, non-negative parts."""
+    problems = []
+    for name in ("step_time_s", "tokens_per_s"):
+        value = getattr(predicted, name)
+        if not (math.isfinite(value) and value > 0):
+            problems.append(f"predicted.{name} is {value}")
+    for index, rank in enumerate(predicted.ranks):
+        bad = [
+            key
+            for key, value in rank.to_dict().items()
+            if not (math.isfinite(value) and value >= -ROUNDING_S)
+        ]
+        if bad or not rank.memory_bytes >= 0:
+            problems.append(
+                f"predicted.ranks[{index}] has {', '.join(bad) or 'memory_bytes'} "
+                "negative or not finite"
+            )
+            break
+    return problems
 
 
 def _prediction_to_dict(prediction: Prediction) -> dict[str, Any]:

@@ -45,3 +45,38 @@ def test_sequence_lengths_have_an_upper_limit():
         parse_seq_len(MAX_SEQ_LEN + 2)
     with pytest.raises(InputError, match="beyond the longest sequence"):
         parse_seq_len(10**20)
+
+
+@pytest.fixture(scope="module")
+def plan_document():
+    from hexiseq import plan_search
+
+    return plan_search("cpu-emulated-2type", "tiny", 8192).best.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda d: d["assignments"][0].update(tokens=d["assignments"][0]["tokens"] + 64),
+            "tokens",
+        ),
+        (lambda d: d["assignments"][1].update(gpu="H100-SXM"), "H100-SXM on"),
+        (
+            lambda d: [a.update(state_fraction=5.0) for a in d["assignments"]],
+            "state fractions add up to 20",
+        ),
+        (lambda d: d["assignments"][2].update(state_fraction=-0.5), "state_fraction -0.5"),
+        (lambda d: d["predicted"].update(step_time_s=float("nan")), "step_time_s is nan"),
+        (lambda d: d["predicted"]["ranks"][0].update(linear_s=-1.0), "negative or not finite"),
+    ],
+)
+def test_a_hand_edited_plan_that_contradicts_itself_is_refused(plan_document, edit, message):
+    import copy
+    import json
+
+    document = copy.deepcopy(plan_document)
+    edit(document)
+    with pytest.raises(InputError, match="inconsistent plan") as caught:
+        Plan.from_json_text(json.dumps(document), source="edited.json")
+    assert message in str(caught.value)
