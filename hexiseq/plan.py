@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,8 +157,20 @@ class Plan:
         return json.dumps(self.to_dict(), indent=1)
 
     def to_json(self, path: str | Path) -> None:
-        """Write the plan as JSON (floats written exactly: `from_json` gives an equal plan)."""
-        Path(path).write_text(self.to_json_text() + "\n", encoding="utf-8")
+        """Write the plan as JSON (floats written exactly: `from_json` gives an equal plan),
+        atomically: a temporary file beside it, flushed, then renamed over it, so a crash or a
+        full disk leaves the old file whole."""
+        path = Path(path)
+        handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8") as file:
+                file.write(self.to_json_text() + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def from_dict(cls, document: Any, source: str = "plan") -> Plan:

@@ -80,3 +80,24 @@ def test_a_hand_edited_plan_that_contradicts_itself_is_refused(plan_document, ed
     with pytest.raises(InputError, match="inconsistent plan") as caught:
         Plan.from_json_text(json.dumps(document), source="edited.json")
     assert message in str(caught.value)
+
+
+def test_writing_a_plan_over_an_old_one_on_a_full_disk_keeps_the_old_one(
+    tmp_path, plan_document, monkeypatch
+):
+    import errno
+    import os
+
+    plan = Plan.from_dict(plan_document)
+    path = tmp_path / "plan.json"
+    plan.to_json(path)
+    before = path.read_bytes()
+
+    def full_disk(descriptor):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError):
+        plan.to_json(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary left
