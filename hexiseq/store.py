@@ -18,12 +18,14 @@ already there.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import sqlalchemy
 from sqlalchemy import (
@@ -37,7 +39,7 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from hexiseq._store_base import (
@@ -393,8 +395,35 @@ def _make_sqlite_parent_directory(parsed_url: URL, shown_url: str) -> None:
         ) from None
 
 
+SCHEMA_RACE_ATTEMPTS = 8
+T = TypeVar("T")
+
+
+def retry_schema_race(create: Callable[[], T], attempts: int = SCHEMA_RACE_ATTEMPTS) -> T:
+    """`create()`, tried again when another process creating the same schema at the same
+    moment made it fail (a table or row that "already exists", a locked SQLite file): the
+    second try finds the schema in place."""
+    for attempt in range(attempts):
+        try:
+            return create()
+        except (OperationalError, IntegrityError) as error:
+            if attempt == attempts - 1 or not _is_schema_race(error):
+                raise
+            time.sleep(0.05 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _is_schema_race(error: SQLAlchemyError) -> bool:
+    text = str(error).lower()
+    return any(
+        sign in text
+        for sign in ("already exists", "database is locked", "unique constraint", "duplicate")
+    )
+
+
 def _prepare_schema(engine: Engine, display_url: str) -> None:
-    """Check the store's schema_version and create missing tables, in one transaction.
+    """Check the store's schema_version and create missing tables, in one transaction (tried
+    again where a concurrent creator of the same store got there first).
 
     Raises InputError if the database cannot be reached, is not a hexiseq store, or is newer.
     """
@@ -404,10 +433,7 @@ def _prepare_schema(engine: Engine, display_url: str) -> None:
         raise InputError(f"store {display_url} cannot be opened: {_one_line(error)}") from None
     try:
         _refuse_foreign(engine, display_url)
-        with Session(engine) as session, session.begin():
-            StoreMetaRow.__table__.create(session.connection(), checkfirst=True)
-            _check_schema_version(session, display_url)
-            StoreBase.metadata.create_all(session.connection())
+        retry_schema_race(lambda: _create_schema(engine, display_url))
     except OperationalError as error:
         # Reachable but refused: read-only file, locked, a foreign table named like ours, ...
         reason = _one_line(error)
@@ -418,6 +444,13 @@ def _prepare_schema(engine: Engine, display_url: str) -> None:
         raise InputError(
             f"store {display_url} is not a hexiseq store: {_one_line(error)}"
         ) from None
+
+
+def _create_schema(engine: Engine, display_url: str) -> None:
+    with Session(engine) as session, session.begin():
+        StoreMetaRow.__table__.create(session.connection(), checkfirst=True)
+        _check_schema_version(session, display_url)
+        StoreBase.metadata.create_all(session.connection())
 
 
 def _refuse_foreign(engine: Engine, display_url: str) -> None:

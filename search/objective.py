@@ -15,7 +15,7 @@ from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import RING_ORDERS, GlobalChoices, candidate_hp_degrees, chunk_quantum
 from hexiseq.search.hierarchy import plan_for_choices
-from hexiseq.store import display_url, mask_url_passwords
+from hexiseq.store import display_url, mask_url_passwords, retry_schema_race
 
 INFEASIBLE_SCORE = 0.0
 INFEASIBLE_ATTR = "infeasible"
@@ -105,12 +105,14 @@ def create_study(storage: str | None, name: str, seed: int, multi_objective: boo
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
     directions = ["maximize", "maximize"] if multi_objective else ["maximize"]
     try:
-        study = optuna.create_study(
-            storage=_storage(storage),
-            study_name=name,
-            sampler=sampler,
-            directions=directions,
-            load_if_exists=True,
+        study = retry_schema_race(
+            lambda: optuna.create_study(
+                storage=_storage(storage),
+                study_name=name,
+                sampler=sampler,
+                directions=directions,
+                load_if_exists=True,
+            )
         )
     except (ArgumentError, ImportError, SQLAlchemyError) as error:
         # SQLAlchemy's message repeats the URL, password and all: one masked line instead.
