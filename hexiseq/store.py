@@ -39,7 +39,12 @@ from sqlalchemy import (
     select,
 )
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import (
+    IntegrityError,
+    OperationalError,
+    ProgrammingError,
+    SQLAlchemyError,
+)
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 
 from hexiseq._store_base import (
@@ -406,7 +411,7 @@ def retry_schema_race(create: Callable[[], T], attempts: int = SCHEMA_RACE_ATTEM
     for attempt in range(attempts):
         try:
             return create()
-        except (OperationalError, IntegrityError) as error:
+        except (OperationalError, IntegrityError, ProgrammingError) as error:
             if attempt == attempts - 1 or not _is_schema_race(error):
                 raise
             time.sleep(0.05 * (attempt + 1))
@@ -417,7 +422,12 @@ def _is_schema_race(error: SQLAlchemyError) -> bool:
     text = str(error).lower()
     return any(
         sign in text
-        for sign in ("already exists", "database is locked", "unique constraint", "duplicate")
+        for sign in (
+            "already exists",  # SQLite, and PostgreSQL's DuplicateTable
+            "database is locked",
+            "unique constraint",
+            "duplicate",
+        )
     )
 
 

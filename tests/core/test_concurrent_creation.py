@@ -36,3 +36,10 @@ def test_many_processes_create_one_store_and_one_study(tmp_path):
             study = f"sqlite:///{tmp_path / f'study-{round_}.db'}"
             assert pool.map(open_store, [store] * PROCESSES) == ["ok"] * PROCESSES
             assert pool.map(open_study, [study] * PROCESSES) == ["ok"] * PROCESSES
+
+
+def test_many_processes_create_one_store_and_one_study_on_postgresql(postgresql_database):
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(PROCESSES) as pool:
+        assert pool.map(open_store, [postgresql_database] * PROCESSES) == ["ok"] * PROCESSES
+        assert pool.map(open_study, [postgresql_database] * PROCESSES) == ["ok"] * PROCESSES

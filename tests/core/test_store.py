@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 from collections.abc import Iterator
 from datetime import timezone
@@ -361,22 +360,12 @@ def test_schema_compiles_for_postgresql() -> None:
 
 # --- PostgreSQL (only when a disposable test database is given) ---------------------------------
 
-_POSTGRESQL_URL_VARIABLE = "HEXISEQ_TEST_POSTGRESQL_URL"
 
 
 @pytest.fixture
-def postgresql_url() -> Iterator[str]:
-    """URL of a disposable PostgreSQL database; hexiseq tables are dropped before and after."""
-    url = os.environ.get(_POSTGRESQL_URL_VARIABLE)
-    if not url:
-        pytest.skip(f"set {_POSTGRESQL_URL_VARIABLE} to a disposable PostgreSQL database")
-    engine = create_engine(url)
-    StoreBase.metadata.drop_all(engine)
-    try:
-        yield url
-    finally:
-        StoreBase.metadata.drop_all(engine)
-        engine.dispose()
+def postgresql_url(postgresql_database: str) -> Iterator[str]:
+    """URL of a new, empty PostgreSQL database (tests/conftest.py)."""
+    yield postgresql_database
 
 
 def test_postgresql_round_trip_and_transactions(

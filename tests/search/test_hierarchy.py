@@ -211,15 +211,10 @@ def test_multi_objective_returns_a_pareto_front():
         assert not any(b[0] >= a[0] and b[1] >= a[1] and b != a for b in points)
 
 
-@pytest.mark.skipif(
-    "HEXISEQ_TEST_POSTGRESQL_URL" not in __import__("os").environ,
-    reason="set HEXISEQ_TEST_POSTGRESQL_URL to a disposable PostgreSQL database",
-)
-def test_postgresql_storage_with_workers():
-    import os
+def test_postgresql_storage_with_workers(postgresql_database):
     import uuid
 
-    url = os.environ["HEXISEQ_TEST_POSTGRESQL_URL"]
+    url = postgresql_database
     name = f"hexiseq-test-{uuid.uuid4()}"
     result = plan_search(
         "h100x8-a100x8",
