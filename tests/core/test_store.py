@@ -361,7 +361,6 @@ def test_schema_compiles_for_postgresql() -> None:
 # --- PostgreSQL (only when a disposable test database is given) ---------------------------------
 
 
-
 @pytest.fixture
 def postgresql_url(postgresql_database: str) -> Iterator[str]:
     """URL of a new, empty PostgreSQL database (tests/conftest.py)."""
