@@ -91,8 +91,14 @@ def _show(entry: dict) -> None:
     result = entry["result"]
     st.subheader(f"Result: {entry['label']}")
     st.caption("Every page now shows this plan (sidebar: what-if).")
-    frame = throughput_views.throughput_frame(result.best, result.baselines)
+    frame = throughput_views.throughput_frame(result.best, result.baselines, result.data_parallel)
     st.dataframe(frame, hide_index=True)
+    speedup = result.speedup_over_data_parallel()
+    if speedup is not None and speedup < 1.0:
+        st.warning(
+            "Running each GPU type as its own data-parallel replica is predicted faster than "
+            f"this plan (hexiseq {speedup:.2f}x of it); hexiseq cannot run replicas yet."
+        )
     st.plotly_chart(plan_views.segments_figure(result.best), key="whatif_segments")
     if st.button("Save the plan and its baselines to the store", key="whatif_save"):
         plan_id = _session.save_result(result)

@@ -15,10 +15,15 @@ from hexiseq.dashboard.views.memory import OOM_COLOR
 from hexiseq.plan import InfeasiblePlan, Plan
 
 
-def throughput_frame(best: Plan, baselines: dict[str, Plan | InfeasiblePlan]) -> pd.DataFrame:
+def throughput_frame(
+    best: Plan, baselines: dict[str, Plan | InfeasiblePlan], replicas: Any = None
+) -> pd.DataFrame:
     """The plan, then each baseline: tokens/s, step time, the plan's speedup over it, and
-    `fits` / `OOM` / `infeasible` with the reason."""
+    `fits` / `OOM` / `infeasible` with the reason; then, given a search's data-parallel
+    replicas baseline (`SearchResult.data_parallel`), that too."""
     rows = [_throughput_row(best.name, best, best)]
+    if replicas is not None:
+        rows += [_replicas_row(replicas, best)]
     for name, candidate in baselines.items():
         if isinstance(candidate, Plan):
             rows.append(_throughput_row(name, candidate, best))
@@ -35,6 +40,17 @@ def throughput_frame(best: Plan, baselines: dict[str, Plan | InfeasiblePlan]) ->
             }
         )
     return pd.DataFrame(rows)
+
+
+def _replicas_row(replicas: Any, best: Plan) -> dict[str, Any]:
+    return {
+        "candidate": replicas.name,
+        "tokens_per_s": replicas.tokens_per_s,
+        "step_time_s": replicas.step_time_s,
+        "plan_speedup": best.predicted.tokens_per_s / replicas.tokens_per_s,
+        "status": "fits",
+        "reason": f"{replicas.describe()}; hexiseq cannot run data-parallel replicas yet",
+    }
 
 
 def _throughput_row(name: str, candidate: Plan, best: Plan) -> dict[str, Any]:

@@ -291,3 +291,14 @@ def test_baselines_are_the_records_saved_after_their_plan():
     frame = record_views.plans_frame(records)
     assert list(frame["id"]) == [r.id for r in records] and frame["seq_len"][0] == "8K"
     assert record_views.plan_choice_label(records[0]) == "#1 best: tiny on c, 8K"
+
+
+def test_the_data_parallel_replicas_row_says_hexiseq_cannot_run_them():
+    from hexiseq import plan_search
+
+    result = plan_search("h100x8-a100x8", "llama-30b", "128k")
+    frame = throughput_views.throughput_frame(result.best, result.baselines, result.data_parallel)
+    row = frame[frame["candidate"] == "data-parallel replicas"].iloc[0]
+    assert row["tokens_per_s"] == pytest.approx(result.data_parallel.tokens_per_s)
+    assert row["plan_speedup"] == pytest.approx(result.speedup_over_data_parallel())
+    assert "cannot run data-parallel replicas yet" in row["reason"]
