@@ -153,14 +153,25 @@ def search(
     )
 
 
+MAX_PLANNED_DEVICES = 4096
+"""The largest cluster one CP-HP mesh is planned for: the simulator's ring tables grow with
+the square of the devices (4096 devices: ~16M entries per table, a few seconds per
+simulation), and beyond that a single sequence over every device is not a plan anyone runs."""
+
+
 def _cluster(cluster) -> Cluster:
-    if isinstance(cluster, Cluster):
-        return cluster
-    if not isinstance(cluster, (str, Path)):
+    if not isinstance(cluster, (Cluster, str, Path)):
         raise InputError(
             f"cluster must be a hexiseq.Cluster, a preset name or a YAML path (got {cluster!r})"
         )
-    return Cluster.load(str(cluster))
+    spec = cluster if isinstance(cluster, Cluster) else Cluster.load(str(cluster))
+    if spec.world_size > MAX_PLANNED_DEVICES:
+        raise InputError(
+            f"cluster {spec.name} has {spec.world_size:,} devices; hexiseq plans one CP-HP "
+            f"mesh of at most {MAX_PLANNED_DEVICES:,} (plan a part of the cluster; "
+            "data-parallel replicas over larger clusters are not supported yet)"
+        )
+    return spec
 
 
 def _model(model) -> ModelSpec:

@@ -52,3 +52,24 @@ def test_checkpointing_options_follow_the_setting():
     assert SearchOptions().checkpointing_options == (False, True)
     assert SearchOptions(activation_checkpointing=True).checkpointing_options == (True,)
     assert not SearchOptions().searching and SearchOptions(n_trials=3).searching
+
+
+def test_a_cluster_beyond_the_planner_is_refused_up_front(monkeypatch):
+    from hexiseq import Cluster
+    from hexiseq.search.api import MAX_PLANNED_DEVICES
+
+    huge = Cluster.from_dict(
+        {
+            "name": "huge",
+            "nodes": [{"name": f"n{i}", "gpu": "H100-SXM", "count": 8} for i in range(12500)],
+            "network": {"inter_node_GBps": 50},
+        }
+    )
+    import hexiseq.search.api as api
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("the search started")
+
+    monkeypatch.setattr(api, "all_baselines", no_planning)
+    with pytest.raises(InputError, match=f"at most {MAX_PLANNED_DEVICES:,}"):
+        plan_search(huge, "llama3-8b", "1M")
