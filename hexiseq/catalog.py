@@ -97,3 +97,32 @@ def gpu_spec(name: str) -> GpuSpec:
     if name not in catalog:
         raise InputError(f"unknown GPU '{name}'; known GPUs: {', '.join(catalog)}")
     return catalog[name]
+
+
+# Ordered: the first rule whose words all appear in the driver's name wins.
+_DRIVER_NAME_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("H100", "PCIE"), "H100-PCIe"),
+    (("H100", "NVL"), "H100-PCIe"),
+    (("H100",), "H100-SXM"),
+    (("H800",), "H800"),
+    (("H200",), "H200"),
+    (("B200",), "B200"),
+    (("A800",), "A800-80G"),
+    (("V100",), "V100-32G"),
+    (("L40S",), "L40S"),
+    (("3090",), "RTX-3090"),
+    (("4090",), "RTX-4090"),
+    (("MI300X",), "MI300X"),
+)
+_A100_80G_MIN_GIB = 48  # the driver reports ~79 GiB for an 80 GB card, ~39 for a 40 GB one
+
+
+def catalog_type_for(gpu_name: str, memory_GiB: float) -> str | None:
+    """The catalog GPU type whose name `gpu_name` (as the driver reports it) matches."""
+    upper = gpu_name.upper()
+    if "A100" in upper:
+        return "A100-80G" if memory_GiB >= _A100_80G_MIN_GIB else "A100-40G"
+    for words, catalog_name in _DRIVER_NAME_RULES:
+        if all(word in upper for word in words):
+            return catalog_name
+    return None

@@ -228,8 +228,44 @@ def _run(args: argparse.Namespace) -> int:
     from hexiseq.plan import Plan
 
     plan = Plan.from_json(args.plan)
+    if args.device != "cpu":
+        check_run_devices(plan, args.device)
     command, environment = run_command(args, plan.cluster.world_size)
     return subprocess.run(command, env=environment, check=False).returncode
+
+
+def check_run_devices(plan, device: str) -> None:
+    """Before any process group forms: `--device cuda` needs one CUDA device per rank of the
+    plan on this machine, each of the GPU type the plan put there; `auto` checks the same
+    when CUDA is there (else the ranks run on the CPU)."""
+    import torch
+
+    from hexiseq.catalog import catalog_type_for
+    from hexiseq.errors import InputError
+
+    available = torch.cuda.is_available()
+    if not available:
+        if device == "cuda":
+            raise InputError(
+                f"--device cuda: torch {torch.__version__} finds no CUDA device here; use "
+                "--device cpu (or auto)"
+            )
+        return
+    count, world = torch.cuda.device_count(), plan.cluster.world_size
+    if count < world:
+        raise InputError(
+            f"the plan has {world} ranks, one per device, but this machine has {count} CUDA "
+            "device(s); plan for the devices you run on"
+        )
+    for rank, assignment in enumerate(plan.assignments):
+        name = torch.cuda.get_device_name(rank)
+        memory_GiB = torch.cuda.get_device_properties(rank).total_memory / 2**30
+        found = catalog_type_for(name, memory_GiB)
+        if found != assignment.gpu:
+            raise InputError(
+                f"rank {rank} is planned on a {assignment.gpu} but cuda:{rank} is a {name} "
+                f"({found or 'not in the catalog'}); plan for the devices you run on"
+            )
 
 
 def run_command(args: argparse.Namespace, world_size: int) -> tuple[list[str], dict[str, str]]:

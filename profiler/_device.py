@@ -16,29 +16,12 @@ from pathlib import Path
 
 import torch
 
-from hexiseq.catalog import gpu_catalog, gpu_spec
+from hexiseq.catalog import catalog_type_for, gpu_catalog, gpu_spec
 from hexiseq.errors import InputError
 
 _CUDA_DEVICE = re.compile(r"^cuda(?::(\d+))?$")
 _NVIDIA_SMI_TIMEOUT_S = 5.0
 _SYSFS_CPU0_CACHE = Path("/sys/devices/system/cpu/cpu0/cache")
-
-# Ordered: the first rule whose words all appear in the driver's name wins.
-_CATALOG_RULES: tuple[tuple[tuple[str, ...], str], ...] = (
-    (("H100", "PCIE"), "H100-PCIe"),
-    (("H100", "NVL"), "H100-PCIe"),
-    (("H100",), "H100-SXM"),
-    (("H800",), "H800"),
-    (("H200",), "H200"),
-    (("B200",), "B200"),
-    (("A800",), "A800-80G"),
-    (("V100",), "V100-32G"),
-    (("L40S",), "L40S"),
-    (("3090",), "RTX-3090"),
-    (("4090",), "RTX-4090"),
-    (("MI300X",), "MI300X"),
-)
-_A100_80G_MIN_GIB = 48  # the driver reports ~79 GiB for an 80 GB card, ~39 for a 40 GB one
 
 
 @dataclass(frozen=True)
@@ -88,17 +71,6 @@ def check_cuda_ranks(nproc: int) -> None:
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count < nproc:
         raise InputError(f"--nproc {nproc} on cuda needs {nproc} CUDA devices; this has {count}")
-
-
-def catalog_type_for(gpu_name: str, memory_GiB: float) -> str | None:
-    """The catalog GPU type whose name `gpu_name` (as the driver reports it) matches."""
-    upper = gpu_name.upper()
-    if "A100" in upper:
-        return "A100-80G" if memory_GiB >= _A100_80G_MIN_GIB else "A100-40G"
-    for words, catalog_name in _CATALOG_RULES:
-        if all(word in upper for word in words):
-            return catalog_name
-    return None
 
 
 def describe_device(device: torch.device, device_type: str | None = None) -> DeviceIdentity:
