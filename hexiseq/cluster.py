@@ -33,6 +33,14 @@ from hexiseq.errors import InputError
 DEFAULT_INTER_NODE_LATENCY_US = 10.0  # NCCL small-message latency over InfiniBand/RoCE, order of
 
 
+MIN_LINK_GBPS, MAX_LINK_GBPS = 1e-6, 1e7
+"""Link bandwidths a cluster file may give, GB/s per GPU one way: from 1 kB/s (slower than any
+network; the simulator's tests use such links to expose every transfer) to far beyond any
+NVLink generation. Outside that range a number is a typo or a unit mix-up: 1e-300 GB/s
+planned a step of 1e300 seconds and saved it as 0.0 tokens/s."""
+MAX_LATENCY_US = 1e6  # a second per message
+
+
 class _Strict(BaseModel):
     # No infinities or NaN in any number; no silent bool -> int.
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -44,7 +52,7 @@ class NodeFile(_Strict):
     name: str = Field(min_length=1)
     gpu: str
     count: StrictInt = Field(ge=1, le=1024)
-    intra_node_GBps: float | None = Field(default=None, gt=0)
+    intra_node_GBps: float | None = Field(default=None, ge=MIN_LINK_GBPS, le=MAX_LINK_GBPS)
     emulation_slowdown: float = Field(default=1.0, ge=1.0)
     memory_GiB: StrictFloat | None = None
     """Memory per device replacing the catalog's (gpu: cpu test clusters only): lets a CPU
@@ -92,14 +100,16 @@ class OverrideFile(_Strict):
 
     a: str
     b: str
-    GBps: float = Field(gt=0)
+    GBps: float = Field(ge=MIN_LINK_GBPS, le=MAX_LINK_GBPS)
 
 
 class NetworkFile(_Strict):
     """Inter-node network: per-GPU NIC bandwidth in one direction, optional per-pair overrides."""
 
-    inter_node_GBps: float = Field(gt=0)
-    inter_node_latency_us: float = Field(default=DEFAULT_INTER_NODE_LATENCY_US, ge=0)
+    inter_node_GBps: float = Field(ge=MIN_LINK_GBPS, le=MAX_LINK_GBPS)
+    inter_node_latency_us: float = Field(
+        default=DEFAULT_INTER_NODE_LATENCY_US, ge=0, le=MAX_LATENCY_US
+    )
     overrides: list[OverrideFile] = Field(default_factory=list)
 
 

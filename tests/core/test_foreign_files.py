@@ -101,3 +101,21 @@ def test_writing_a_plan_over_an_old_one_on_a_full_disk_keeps_the_old_one(
         plan.to_json(path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temporary left
+
+
+@pytest.mark.parametrize(
+    ("network", "field"),
+    [
+        ({"inter_node_GBps": 1e-300}, "network.inter_node_GBps"),
+        ({"inter_node_GBps": 1e12}, "network.inter_node_GBps"),
+        ({"inter_node_GBps": 50, "inter_node_latency_us": 1e12}, "inter_node_latency_us"),
+        ({"inter_node_GBps": 50, "overrides": [{"a": "a", "b": "b", "GBps": 0.0}]}, "GBps"),
+    ],
+)
+def test_implausible_links_are_refused(network, field):
+    nodes = [
+        {"name": "a", "gpu": "H100-SXM", "count": 2},
+        {"name": "b", "gpu": "A100-80G", "count": 2},
+    ]
+    with pytest.raises(InputError, match=field):
+        Cluster.from_dict({"name": "x", "nodes": nodes, "network": network})
