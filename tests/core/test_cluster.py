@@ -36,17 +36,20 @@ BAD_CLUSTER_FILES = [
     (
         "negative-inter-node-bandwidth",
         TWO_NODES + "network: {inter_node_GBps: -5}\n",
-        r"network\.inter_node_GBps: input should be greater than or equal to 0\.000001 \(got -5\)$",
+        r"network\.inter_node_GBps: input should be greater than or equal to "
+        r"0\.000001 \(got -5\)$",
     ),
     (
         "negative-intra-node-bandwidth",
         "name: c\nnodes:\n  - {name: n0, gpu: H100-SXM, count: 8, intra_node_GBps: -1}\n",
-        r"nodes\[0\]\.intra_node_GBps: input should be greater than or equal to 0\.000001 \(got -1\)$",
+        r"nodes\[0\]\.intra_node_GBps: input should be greater than or equal to "
+        r"0\.000001 \(got -1\)$",
     ),
     (
         "zero-override-bandwidth",
         TWO_NODES + "network: {inter_node_GBps: 5, overrides: [{a: n0, b: n1, GBps: 0}]}\n",
-        r"network\.overrides\[0\]\.GBps: input should be greater than or equal to 0\.000001 \(got 0\)$",
+        r"network\.overrides\[0\]\.GBps: input should be greater than or equal to "
+        r"0\.000001 \(got 0\)$",
     ),
     (
         "zero-count",
