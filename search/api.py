@@ -18,18 +18,8 @@ from hexiseq.search.baselines import (
     strongest,
 )
 from hexiseq.search.options import SearchOptions, search_options
-from hexiseq.search.optuna_layer import run_study
+from hexiseq.search.optuna_layer import Trial, run_study, trial_of
 from hexiseq.units import parse_seq_len
-
-
-@dataclass(frozen=True)
-class Trial:
-    """One candidate the search scored: its choices and throughput, or why it cannot run."""
-
-    name: str
-    tokens_per_s: float | None
-    reason: str | None = None
-    params: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -138,8 +128,7 @@ def search(
     )
     baselines = all_baselines(problem)
     outcome = run_study(problem, options)
-    trials = [Trial(r.name, r.tokens_per_s, r.reason, r.params) for r in outcome.records]
-    trials += [_trial({}, b) for b in baselines.values()]
+    trials = outcome.records + [trial_of({}, b) for b in baselines.values()]
     candidates = [outcome.best] if outcome.best is not None else []
     candidates += outcome.infeasible + list(baselines.values())
     feasible = [c for c in candidates if isinstance(c, Plan)]
@@ -200,12 +189,6 @@ def _train_spec(cluster: Cluster, seq_len: int) -> TrainSpec:
     computes there, so the simulator counts the bytes the runtime moves."""
     all_cpu = all(device.gpu == "cpu" for device in cluster.devices)
     return TrainSpec(seq_len=seq_len, compute_dtype_bytes=4 if all_cpu else 2)
-
-
-def _trial(params: dict, candidate: Plan | InfeasiblePlan) -> Trial:
-    if isinstance(candidate, Plan):
-        return Trial(candidate.name, candidate.predicted.tokens_per_s, None, dict(params))
-    return Trial(candidate.name, None, candidate.reason, dict(params))
 
 
 def _closest_missing(candidates: list) -> dict[int, int]:

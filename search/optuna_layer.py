@@ -40,13 +40,20 @@ from hexiseq.search.workers import run_workers
 
 
 @dataclass(frozen=True)
-class TrialRecord:
-    """One scored candidate: its Optuna parameters and throughput, or why it cannot run."""
+class Trial:
+    """One candidate the search scored: its choices and throughput, or why it cannot run."""
 
-    params: dict
+    name: str
     tokens_per_s: float | None
     reason: str | None = None
-    name: str = PLAN_NAME
+    params: dict = field(default_factory=dict)
+
+
+def trial_of(params: dict, candidate: Plan | InfeasiblePlan) -> Trial:
+    """The `Trial` of a scored plan (or of one that cannot run)."""
+    if isinstance(candidate, Plan):
+        return Trial(candidate.name, candidate.predicted.tokens_per_s, None, dict(params))
+    return Trial(candidate.name, None, candidate.reason, dict(params))
 
 
 @dataclass
@@ -54,7 +61,7 @@ class StudyOutcome:
     """What the study found: the best plan, every candidate scored, and the Pareto front."""
 
     best: Plan | None
-    records: list[TrialRecord] = field(default_factory=list)
+    records: list[Trial] = field(default_factory=list)
     pareto: list[Plan] = field(default_factory=list)
     study_name: str = ""
     infeasible: list[InfeasiblePlan] = field(default_factory=list)  # built in this process
@@ -78,7 +85,7 @@ def run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
         # take the same enqueued trial.
         scored_here = _score_shortlist(study, objective, options.n_trials)
     _sample(study, objective, options, scored_here, started)
-    polished: list[TrialRecord] = []
+    polished: list[Trial] = []
     if not options.multi_objective:
         polished = _polish(study, objective, options, started)
     return _outcome(study, objective, options.multi_objective, polished)
@@ -126,13 +133,7 @@ def _polish(study, objective: Objective, options: SearchOptions, started: float)
         polish_evaluations(objective.problem.cluster.world_size),
         deadline,
     )
-    return [_record(params_of(c, objective.quanta[0]), plan) for c, plan in scored]
-
-
-def _record(params: dict, plan: Plan | InfeasiblePlan) -> TrialRecord:
-    if isinstance(plan, Plan):
-        return TrialRecord(dict(params), plan.predicted.tokens_per_s, None, plan.name)
-    return TrialRecord(dict(params), None, plan.reason, plan.name)
+    return [trial_of(params_of(c, objective.quanta[0]), plan) for c, plan in scored]
 
 
 def _best_feasible(study, count: int) -> list:
@@ -156,7 +157,7 @@ def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
 
 
 def _outcome(
-    study, objective: Objective, multi_objective: bool, polished: list[TrialRecord]
+    study, objective: Objective, multi_objective: bool, polished: list[Trial]
 ) -> StudyOutcome:
     """Every completed trial as a record (from its stored values: old and workers' trials
     are not rebuilt), the best plan and the Pareto front rebuilt."""
@@ -165,10 +166,10 @@ def _outcome(
         if trial.state == optuna.trial.TrialState.COMPLETE:
             throughput = trial.values[0]
             if throughput > INFEASIBLE_SCORE:
-                records.append(TrialRecord(dict(trial.params), throughput))
+                records.append(Trial(PLAN_NAME, throughput, None, dict(trial.params)))
             else:
                 reason = trial.user_attrs.get(INFEASIBLE_ATTR, "infeasible")
-                records.append(TrialRecord(dict(trial.params), None, reason))
+                records.append(Trial(PLAN_NAME, None, reason, dict(trial.params)))
     records += polished
     best = _best_plan(objective, records)
     pareto = []
@@ -187,7 +188,7 @@ def _outcome(
     )
 
 
-def _best_plan(objective: Objective, records: list[TrialRecord]) -> Plan | None:
+def _best_plan(objective: Objective, records: list[Trial]) -> Plan | None:
     feasible = [r for r in records if r.tokens_per_s is not None]
     if not feasible:
         return None

@@ -2,11 +2,11 @@
 
 From each start (the best trial first, then the next best, up to POLISH_STARTS) it looks at
 every choice set that differs in one decision (one GPU type's HP degree, checkpointing, the
-chunk quantum, the ring-order strategy, two neighbouring nodes of the ring swapped) and
-moves to the fastest while that beats the current plan. Neighbours the screen can price
-(`search.screen`: HP degrees, checkpointing) are evaluated in full only when their estimate
-beats the current choices' own, the best POLISH_SCREENED of them; ring orders and quanta,
-which the screen cannot tell apart, only when they change the ring. Full evaluations are
+ring's layout: ring-order strategy or two neighbouring nodes swapped, at every chunk quantum)
+and moves to the fastest while that beats the current plan. Ring layouts, which the screen
+cannot tell apart, are evaluated first, once per distinct ring (up to rotation) and quantum;
+then the regroupings the screen (`search.screen`) estimates faster than the current plan
+runs, the best POLISH_SCREENED of them. Full evaluations are
 capped by `polish_evaluations` (they cost about in proportion to the devices) and by the
 caller's deadline. The polish scores plans outside the study (it records no trials), so a
 trial count stays exact.

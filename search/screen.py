@@ -31,10 +31,6 @@ from hexiseq.search.greedy import (
 from hexiseq.search.local_milp import Group, GroupRates, even_layout, rates_of, relaxed_step_s
 
 INFEASIBLE_S = math.inf
-PRUNE_MARGIN = 0.02
-"""The estimate is about a lower bound of the simulated step time (busy time balanced by
-the LP, the ring's traffic as a floor; exposed waits come on top): a candidate estimated
-slower than a plan in hand by more than this is not evaluated."""
 
 
 def with_checkpointing(problem: Problem, checkpointing: bool) -> Problem:

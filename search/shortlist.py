@@ -4,8 +4,9 @@ The greedy stage proposes a handful of global choices (`greedy.greedy_candidates
 without activation checkpointing). Each is screened (`search.screen`: cached busy rates and
 the local LP, no simulation), then, for each checkpointing setting, a coordinate descent on
 the screen moves one GPU type's HP degree at a time while the estimate improves. The greedy
-picks and the SCREEN_KEEP best-screened candidates of each descent are what the search
-evaluates in full (`optuna_layer` skips those a plan in hand already beats by the bound).
+picks and the best-screened candidates of each descent (`screen_keep`) are what the search
+evaluates in full. The screen misses the ring's exposed waits (it is 10-35 % optimistic for
+low HP degrees), so it ranks candidates but never rules one out by itself.
 """
 
 from __future__ import annotations
