@@ -56,6 +56,14 @@ class RuntimeRunRow(StoreBase):
     """True when some rank's speed was emulated (`emulation_slowdown`), not real hardware."""
     torch_version: Mapped[str] = mapped_column(String)
     plan_json: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String, server_default="unknown")
+    """One of `RUN_STATUSES`: "running" from the start, then "finished" or "failed"."""
+    failure: Mapped[str | None] = mapped_column(Text)
+    """Why a failed run failed, in one line."""
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    launch_id: Mapped[str | None] = mapped_column(String)
+    """The id `hexiseq run` gave the launch (`LAUNCH_ID_ENV`), so that it can fail the run
+    when its ranks died before they could."""
 
 
 class RuntimeMeasurementRow(StoreBase):
@@ -93,6 +101,12 @@ class RuntimeKernelRow(StoreBase):
 
 
 MEMORY_MEASURES = ("cuda_max_allocated", "cpu_max_rss")
+RUN_STATUSES = ("running", "finished", "failed", "unknown")
+"""A runtime run's status; "unknown": recorded before hexiseq kept status, not all steps there."""
+ENDED_STATUSES = ("finished", "failed")
+LAUNCH_ID_ENV = "HEXISEQ_LAUNCH_ID"
+"""Where `hexiseq run` hands the ranks the id of its launch."""
+_FAILURE_CHARS = 2000
 _MEASUREMENT_FIELDS = (
     "rank",
     "step",
@@ -148,8 +162,9 @@ class RuntimeTables:
         emulation: bool,
         torch_version: str,
         plan_id: int | None = None,
+        launch_id: str | None = None,
     ) -> int:
-        """Record the start of a runtime run of a plan; returns the run id."""
+        """Record the start of a runtime run of a plan (status "running"); returns the run id."""
         check_plan_fields(plan_json, plan_name, "-", model_name, seq_len, backend)
         row = RuntimeRunRow(
             plan_hash=plan_hash,
@@ -165,11 +180,47 @@ class RuntimeTables:
             emulation=bool(emulation),
             torch_version=torch_version,
             plan_json=plan_json,
+            status="running",
+            launch_id=launch_id,
         )
         with self._session() as session:
             session.add(row)
             session.flush()
             return row.id
+
+    def end_runtime_run(self, run_id: int, status: str, failure: str | None = None) -> None:
+        """Record that run `run_id` ended: "finished", or "failed" with why (one line, cut to
+        2000 characters). A run that has ended already keeps its first ending.
+
+        Raises InputError for an unknown run or status, or a failure without a reason.
+        """
+        if status not in ENDED_STATUSES:
+            raise InputError(f"a run ends {' or '.join(ENDED_STATUSES)}, not {status!r}")
+        if (status == "failed") != bool(failure):
+            raise InputError("a failed run needs its failure; a finished one has none")
+        with self._session() as session:
+            row = session.get(RuntimeRunRow, run_id)
+            if row is None:
+                raise InputError(f"store {self._display_url} has no runtime run {run_id}")
+            if row.status in ENDED_STATUSES:
+                return
+            row.status = status
+            row.failure = _one_line(failure) if failure else None
+            row.finished_at = utc_now()
+
+    def fail_unended_runs(self, launch_id: str, failure: str) -> int:
+        """Mark every run of launch `launch_id` that is still "running" failed with `failure`
+        (its ranks died without recording an end); returns how many were."""
+        query = select(RuntimeRunRow).where(
+            RuntimeRunRow.launch_id == launch_id, RuntimeRunRow.status == "running"
+        )
+        with self._session() as session:
+            rows = list(session.scalars(query))
+            for row in rows:
+                row.status = "failed"
+                row.failure = _one_line(failure)
+                row.finished_at = utc_now()
+            return len(rows)
 
     def add_runtime_measurements(
         self, run_id: int, measurements: list[RuntimeMeasurement]
@@ -262,6 +313,10 @@ class RuntimeTables:
                 )
                 for row in session.scalars(query)
             ]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())[:_FAILURE_CHARS]
 
 
 def _kernels_by_run(session, run_ids: list[int]) -> dict[int, set[str]]:

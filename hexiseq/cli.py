@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import uuid
 from collections.abc import Sequence
 
 from hexiseq._cli_dashboard import add_dashboard_parser, run_dashboard
@@ -21,6 +22,7 @@ from hexiseq.errors import HexiseqError
 from hexiseq.model import model_presets
 from hexiseq.store import (
     DEFAULT_STORE_URL,
+    LAUNCH_ID_ENV,
     STORE_URL_ENV,
     STORE_URL_HELP,
     child_environment,
@@ -231,7 +233,30 @@ def _run(args: argparse.Namespace) -> int:
     if args.device != "cpu":
         check_run_devices(plan, args.device)
     command, environment = run_command(args, plan.cluster.world_size)
-    return subprocess.run(command, env=environment, check=False).returncode
+    launch_id = environment[LAUNCH_ID_ENV]
+    try:
+        code = subprocess.run(command, env=environment, check=False).returncode
+    except KeyboardInterrupt:
+        _fail_unended_runs(args, launch_id, "interrupted (Ctrl-C) before its ranks ended it")
+        raise
+    if code != 0:
+        _fail_unended_runs(
+            args, launch_id, f"torchrun exited with code {code} before its ranks ended the run"
+        )
+    return code
+
+
+def _fail_unended_runs(args: argparse.Namespace, launch_id: str, failure: str) -> None:
+    """Mark this launch's runs that no rank could end (killed, crashed) failed with why."""
+    from hexiseq.errors import HexiseqError
+
+    if args.no_store:
+        return
+    try:
+        with _open_store(args) as store:
+            store.fail_unended_runs(launch_id, failure)
+    except HexiseqError as error:
+        print(f"hexiseq run: could not record the failure: {error}", file=sys.stderr)
 
 
 def check_run_devices(plan, device: str) -> None:
@@ -270,7 +295,8 @@ def check_run_devices(plan, device: str) -> None:
 
 def run_command(args: argparse.Namespace, world_size: int) -> tuple[list[str], dict[str, str]]:
     """The torchrun command line of `hexiseq run` and its environment: the store URL (it may
-    hold a password) is in the environment only, since any user can read a command line."""
+    hold a password) is in the environment only, since any user can read a command line, with
+    a new launch id that the run's row keeps ($HEXISEQ_LAUNCH_ID)."""
     command = [
         sys.executable,
         "-m",
@@ -286,7 +312,9 @@ def run_command(args: argparse.Namespace, world_size: int) -> tuple[list[str], d
         f"--state-sharding={args.state_sharding}",
         *(["--no-store"] if args.no_store else []),
     ]
-    return command, child_environment(None if args.no_store else args.store)
+    environment = child_environment(None if args.no_store else args.store)
+    environment[LAUNCH_ID_ENV] = uuid.uuid4().hex
+    return command, environment
 
 
 def _checkpointing(args: argparse.Namespace) -> bool | None:

@@ -7,12 +7,12 @@ it is masked wherever a URL is shown (`Store.url`, errors: `mask_url_passwords`)
 Every write runs in a transaction (`Session.begin()`), so a crash or Ctrl-C loses only the write in
 flight, never what was committed before it. `Store.transaction()` groups several writes into one.
 
-Adding a table is adding a mapped subclass of `StoreBase`: `Store.open` creates missing tables on
-existing stores. The tables live in `_store_runtime` (runtime runs and measurements) and
-`_store_profiles` (profiling sweeps, fitted models) beside the plans here; `Store` gets their
-methods from those modules' mixins. Changing or dropping a column of an existing table needs
-`SCHEMA_VERSION` raised and a migration, because `create_all` never alters a table that is
-already there.
+The tables live in `_store_runtime` (runtime runs and measurements) and `_store_profiles`
+(profiling sweeps, fitted models) beside the plans here; `Store` gets their methods from those
+modules' mixins. Only migrations (`hexiseq.migrations`, Alembic) create or alter tables:
+`Store.open` applies those a store lacks, so a store written by an earlier hexiseq opens with
+every row. Changing a table is changing its mapped class and adding a migration to match (a
+test compares the two).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ from typing import TypeVar
 
 import sqlalchemy
 from sqlalchemy import (
+    Connection,
     DateTime,
     Engine,
     Float,
     String,
     Text,
     create_engine,
+    event,
     func,
     select,
 )
@@ -46,7 +48,9 @@ from sqlalchemy.exc import (
     SQLAlchemyError,
 )
 from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.pool import NullPool
 
+from hexiseq import migrations
 from hexiseq._store_base import (
     StoreBase,
     StoreMetaRow,
@@ -57,7 +61,13 @@ from hexiseq._store_base import (
 from hexiseq._store_profiles import (
     ProfileTables,
 )
-from hexiseq._store_runtime import MEMORY_MEASURES, RuntimeMeasurement, RuntimeTables
+from hexiseq._store_runtime import (
+    LAUNCH_ID_ENV,
+    MEMORY_MEASURES,
+    RUN_STATUSES,
+    RuntimeMeasurement,
+    RuntimeTables,
+)
 from hexiseq._store_url import (
     DEFAULT_STORE_URL,
     STORE_URL_ENV,
@@ -73,7 +83,9 @@ from hexiseq.plan import InfeasiblePlan, Plan
 
 __all__ = [
     "DEFAULT_STORE_URL",
+    "LAUNCH_ID_ENV",
     "MEMORY_MEASURES",
+    "RUN_STATUSES",
     "SCHEMA_VERSION",
     "STORE_URL_ENV",
     "STORE_URL_HELP",
@@ -89,8 +101,9 @@ __all__ = [
     "store_url_from",
 ]
 
-SCHEMA_VERSION = 1
-"""Version of the table layout this code writes; a store with a higher one is refused."""
+SCHEMA_VERSION = 2
+"""Version of the table layout this code writes (set by its newest migration in
+`hexiseq.migrations`); a store with a higher one is refused, a lower one is migrated."""
 
 _SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 _ALLOWED_URLS = (
@@ -432,8 +445,9 @@ def _is_schema_race(error: SQLAlchemyError) -> bool:
 
 
 def _prepare_schema(engine: Engine, display_url: str) -> None:
-    """Check the store's schema_version and create missing tables, in one transaction (tried
-    again where a concurrent creator of the same store got there first).
+    """Bring the store to this hexiseq's schema: nothing to do (and nothing written) when it is
+    there already; else every missing migration, applied under a lock that makes concurrent
+    openers of one new or old store wait for each other (tried again on a lost race).
 
     Raises InputError if the database cannot be reached, is not a hexiseq store, or is newer.
     """
@@ -442,8 +456,10 @@ def _prepare_schema(engine: Engine, display_url: str) -> None:
     except SQLAlchemyError as error:
         raise InputError(f"store {display_url} cannot be opened: {_one_line(error)}") from None
     try:
-        _refuse_foreign(engine, display_url)
-        retry_schema_race(lambda: _create_schema(engine, display_url))
+        with engine.connect() as connection:
+            if _schema_state(connection, display_url) == "current":
+                return
+        retry_schema_race(lambda: _migrate(engine, display_url))
     except OperationalError as error:
         # Reachable but refused: read-only file, locked, a foreign table named like ours, ...
         reason = _one_line(error)
@@ -456,35 +472,105 @@ def _prepare_schema(engine: Engine, display_url: str) -> None:
         ) from None
 
 
-def _create_schema(engine: Engine, display_url: str) -> None:
-    with Session(engine) as session, session.begin():
-        StoreMetaRow.__table__.create(session.connection(), checkfirst=True)
-        _check_schema_version(session, display_url)
-        StoreBase.metadata.create_all(session.connection())
+def _migrate(engine: Engine, display_url: str) -> None:
+    """Apply the missing migrations in one transaction holding the store's schema lock."""
+    with _schema_lock(engine) as connection:
+        if _schema_state(connection, display_url) == "current":
+            return
+        migrations.upgrade_to_head(connection)
+        if _schema_state(connection, display_url) != "current":
+            raise AssertionError(f"store {display_url}: migrations did not reach the head")
 
 
-def _refuse_foreign(engine: Engine, display_url: str) -> None:
+_POSTGRESQL_SCHEMA_LOCK = 0x6865786973657121
+"""pg_advisory_xact_lock key of hexiseq's schema migrations ("hexiseq!")."""
+_SQLITE_LOCK_TIMEOUT_S = 30.0
+
+
+@contextmanager
+def _schema_lock(engine: Engine) -> Iterator[Connection]:
+    """A connection in a transaction that holds the store's write lock from its first
+    statement (SQLite: BEGIN IMMEDIATE; PostgreSQL: a transaction-scoped advisory lock), so
+    that its DDL and data changes commit together or not at all and one opener migrates at a
+    time. SQLite's driver would otherwise run each DDL statement outside any transaction."""
+    if engine.dialect.name != "sqlite" or _in_memory(engine.url):
+        with engine.begin() as connection:
+            if engine.dialect.name == "postgresql":
+                lock = sqlalchemy.text("SELECT pg_advisory_xact_lock(:key)")
+                connection.execute(lock, {"key": _POSTGRESQL_SCHEMA_LOCK})
+            yield connection
+        return
+    locking = create_engine(
+        engine.url, poolclass=NullPool, connect_args={"timeout": _SQLITE_LOCK_TIMEOUT_S}
+    )
+    event.listen(locking, "connect", _driver_leaves_transactions_to_us)
+    event.listen(
+        locking, "begin", lambda connection: connection.exec_driver_sql("BEGIN IMMEDIATE")
+    )
+    try:
+        with locking.begin() as connection:
+            yield connection
+    finally:
+        locking.dispose()
+
+
+def _driver_leaves_transactions_to_us(dbapi_connection, _record) -> None:
+    dbapi_connection.isolation_level = None
+
+
+def _begin_immediate(connection: Connection) -> None:
+    connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _in_memory(url: URL) -> bool:
+    return url.database in (None, "", ":memory:") or url.query.get("mode") == "memory"
+
+
+def _schema_state(connection: Connection, display_url: str) -> str:
+    """ "new" (no tables), "old" (a hexiseq store that lacks migrations) or "current".
+
+    Raises InputError for a database that is someone else's (tables but no `store_meta`), a
+    `schema_version` that is not an integer, and a store written by a newer hexiseq (a higher
+    `schema_version`, or a revision this hexiseq does not know).
+    """
+    tables = set(sqlalchemy.inspect(connection).get_table_names())
+    if not tables:
+        return "new"
+    _refuse_foreign(tables, display_url)
+    stored = connection.execute(
+        select(StoreMetaRow.value).where(StoreMetaRow.key == "schema_version")
+    ).scalar_one_or_none()
+    if stored is not None:
+        _check_schema_version(stored, display_url)
+    revision = (
+        migrations.current_revision(connection) if migrations.VERSION_TABLE in tables else None
+    )
+    if revision is not None and not migrations.is_known(revision):
+        raise InputError(
+            f"store {display_url} has schema revision {revision!r}, newer than this hexiseq "
+            f"knows ({migrations.head_revision()}); upgrade hexiseq or use another store"
+        )
+    return "current" if revision == migrations.head_revision() else "old"
+
+
+def _refuse_foreign(tables: set[str], display_url: str) -> None:
     """A database with tables but no hexiseq metadata is someone else's: write nothing to it."""
-    tables = sorted(sqlalchemy.inspect(engine).get_table_names())
-    if tables and StoreMetaRow.__tablename__ not in tables:
-        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+    if StoreMetaRow.__tablename__ not in tables:
+        names = sorted(tables)
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         raise InputError(
             f"store {display_url} is not a hexiseq store: it holds tables ({shown}) but no "
             f"{StoreMetaRow.__tablename__}; give a new database or a hexiseq store"
         )
 
 
-def _check_schema_version(session: Session, display_url: str) -> None:
-    """Record SCHEMA_VERSION in a new store; raise InputError if an existing one differs."""
-    stored = session.get(StoreMetaRow, "schema_version")
-    if stored is None:
-        session.add(StoreMetaRow(key="schema_version", value=str(SCHEMA_VERSION)))
-        return
+def _check_schema_version(stored: str, display_url: str) -> None:
+    """Raise InputError unless `stored` is an integer schema_version this hexiseq can migrate."""
     try:
-        stored_version = int(stored.value)
+        stored_version = int(stored)
     except ValueError:
         raise InputError(
-            f"store {display_url} is not a hexiseq store: schema_version {stored.value!r} "
+            f"store {display_url} is not a hexiseq store: schema_version {stored!r} "
             "is not an integer"
         ) from None
     if stored_version > SCHEMA_VERSION:
@@ -492,8 +578,8 @@ def _check_schema_version(session: Session, display_url: str) -> None:
             f"store {display_url} has schema_version {stored_version}, newer than this hexiseq "
             f"knows ({SCHEMA_VERSION}); upgrade hexiseq or use another store"
         )
-    if stored_version < SCHEMA_VERSION:
+    if stored_version < 1:
         raise InputError(
-            f"store {display_url} has schema_version {stored_version}, which this hexiseq cannot "
-            f"read (it knows {SCHEMA_VERSION}); use another store"
+            f"store {display_url} has schema_version {stored_version}; hexiseq stores start "
+            f"at 1 (this hexiseq writes {SCHEMA_VERSION})"
         )

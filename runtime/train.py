@@ -64,7 +64,13 @@ from hexiseq.runtime.sharding import (
     canonical_state_sharding,
     shard_model_states,
 )
-from hexiseq.store import STORE_URL_HELP, RuntimeMeasurement, Store, store_url_from
+from hexiseq.store import (
+    LAUNCH_ID_ENV,
+    STORE_URL_HELP,
+    RuntimeMeasurement,
+    Store,
+    store_url_from,
+)
 
 EXIT_BAD_INPUT = 2
 # The caching allocator grows mapped segments instead of splitting fixed ones: the default left
@@ -213,8 +219,31 @@ def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
 
 
 def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
-    """K AdamW steps of the plan, measured and recorded; returns the exit code."""
+    """K AdamW steps of the plan, measured and recorded; returns the exit code. The run's
+    row ends "finished", or "failed" with why when any step raised on this rank (rank 0
+    records it; a rank that died shows there as the collective it broke)."""
     store, run_id = open_run(plan, options, context)
+    try:
+        run_steps(plan, options, context, store, run_id)
+    except BaseException as error:
+        end_run(store, run_id, "failed", failure_of(error))
+        raise
+    else:
+        end_run(store, run_id, "finished")
+    finally:
+        if store is not None:
+            store.close()
+    return 0
+
+
+def run_steps(
+    plan: Plan,
+    options: TrainOptions,
+    context: RankContext,
+    store: Store | None,
+    run_id: int | None,
+) -> None:
+    """Build the plan's model and optimizer and run, measure and record K steps."""
     sharded = options.state_sharding == "sharded"
     model = build_plan_model(plan, context, options.seed, sharded)
     optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
@@ -230,9 +259,24 @@ def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
             store.add_runtime_measurements(run_id, rows)
         if context.rank == 0:
             print(describe_step(rows), flush=True)
-    if store is not None:
-        store.close()
-    return 0
+
+
+def end_run(store: Store | None, run_id: int | None, status: str, failure: str | None = None):
+    """Record the run's end in the store (rank 0); a store that fails here only says so, so
+    that the error that ended the run is the one reported."""
+    if store is None or run_id is None:
+        return
+    try:
+        store.end_runtime_run(run_id, status, failure)
+    except Exception as error:  # the store itself may be what failed
+        print(f"hexiseq.runtime.train: could not record the run's end: {error}", file=sys.stderr)
+
+
+def failure_of(error: BaseException) -> str:
+    """One line saying why the run failed."""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted (KeyboardInterrupt)"
+    return f"{type(error).__name__}: {error}".strip()
 
 
 def build_plan_model(plan: Plan, context: RankContext, seed: int, sharded: bool) -> LlamaModel:
@@ -299,6 +343,7 @@ def record_run(store: Store, plan: Plan, options: TrainOptions, context: RankCon
         dtype=str(context.compute_dtype).removeprefix("torch."),
         emulation=any(d.emulation_slowdown != 1.0 for d in plan.cluster.devices),
         torch_version=torch.__version__,
+        launch_id=os.environ.get(LAUNCH_ID_ENV),
     )
 
 

@@ -191,8 +191,9 @@ def runs_frame(
     measurements: dict[int, Sequence[Any]],
     plans: dict[int, Plan | None],
 ) -> pd.DataFrame:
-    """One row per runtime run: measured median step time (steps after the first when there
-    are several: the first includes warm-up) against the plan's prediction, and peak memory."""
+    """One row per runtime run: its status (running, finished, failed and why), measured
+    median step time (steps after the first when there are several: the first includes
+    warm-up) against the plan's prediction, and peak memory."""
     rows = []
     for run in runs:
         rows_of_run = measurements.get(run["id"], [])
@@ -206,6 +207,8 @@ def runs_frame(
                 "ranks": run["world_size"],
                 "device": run["device"],
                 "emulation": bool(run["emulation"]),
+                "status": run["status"],
+                "failure": run["failure"] or "",
                 "steps_measured": len({m.step for m in rows_of_run}),
                 "predicted_step_s": predicted_s,
                 "measured_step_s": measured_s,

@@ -15,6 +15,8 @@ from hexiseq.store import RuntimeMeasurement, Store
 
 SHARED_H100_STORE = Path(__file__).resolve().parents[3] / "shared" / "data" / "h100-profile.db"
 """The real store of the H100 runs (`../shared/data`), written by hexiseq 490c15d."""
+VERSION_1_STORE = Path(__file__).with_name("data") / "store-v1.db"
+"""A store written by hexiseq cde2901 (schema version 1, before migrations)."""
 
 
 def _run(store: Store) -> int:
@@ -85,18 +87,21 @@ def test_names_the_kernel_rule_does_not_know_are_refused(tmp_path, label):
 
 def test_a_store_from_before_kernels_were_recorded_opens_with_every_row(tmp_path):
     path = tmp_path / "old.db"
-    with Store.open(f"sqlite:///{path}") as store:
-        run_id = _run(store)
-        store.add_runtime_measurements(run_id, [_measurement(0, 0), _measurement(1, 0)])
+    shutil.copy(VERSION_1_STORE, path)
     with sqlite3.connect(path) as connection:  # the tables as hexiseq wrote them before
         connection.execute("DROP TABLE runtime_attention_kernels")
+        (run_id,) = connection.execute("SELECT id FROM runtime_runs").fetchone()
+        measured = connection.execute(
+            "SELECT COUNT(*) FROM runtime_measurements WHERE run_id = ?", (run_id,)
+        ).fetchone()[0]
     with Store.open(f"sqlite:///{path}") as store:
-        assert [m.attention_kernels for m in store.runtime_measurements(run_id)] == ["", ""]
-        store.add_runtime_measurements(run_id, [_measurement(0, 1, "cudnn")])
+        before = store.runtime_measurements(run_id)
+        assert len(before) == measured and {m.attention_kernels for m in before} == {""}
+        store.add_runtime_measurements(
+            run_id, [replace(before[-1], step=9, attention_kernels="cudnn")]
+        )
         rows = store.runtime_measurements(run_id)
-    assert [(m.step, m.rank, m.attention_kernels) for m in rows] == [
-        (0, 0, ""), (0, 1, ""), (1, 0, "cudnn"),
-    ]  # fmt: skip
+    assert rows[:-1] == before and (rows[-1].step, rows[-1].attention_kernels) == (9, "cudnn")
 
 
 @pytest.mark.skipif(not SHARED_H100_STORE.exists(), reason="no ../shared/data here")

@@ -256,8 +256,10 @@ def test_runs_frame_compares_measured_with_predicted(tiny_result):
         for r in range(plan.cluster.world_size)
     ]
     run = {"id": 7, "plan_name": plan.name, "world_size": 4, "device": "cpu", "emulation": 1}
+    run |= {"status": "failed", "failure": "torchrun exited with code 1"}
     frame = throughput_views.runs_frame([run], {7: measurements}, {7: plan})
     row = frame.iloc[0]
+    assert (row["status"], row["failure"]) == ("failed", "torchrun exited with code 1")
     assert row["measured_step_s"] == pytest.approx(measured_s)  # the warm-up step left out
     assert row["measured_over_predicted"] == pytest.approx(1.5)
     assert row["steps_measured"] == 3

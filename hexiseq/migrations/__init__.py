@@ -1,0 +1,75 @@
+"""The store's schema migrations (Alembic): the only code that creates or alters its tables.
+
+Each file in `versions/` is one Alembic revision: an `upgrade()` in Alembic operations, tied to
+the one before it by `down_revision`. `upgrade_to_head` applies the revisions a store lacks,
+in order, inside the caller's transaction, then records the newest in the store's own version
+table (`VERSION_TABLE`: not Alembic's default `alembic_version`, which an Optuna study kept in
+the same database uses). So a store written by any earlier hexiseq opens with every row, and
+a migration that fails half-way leaves the store as it was.
+
+Changing the tables is adding a revision (and editing the mapped classes to match; a test
+compares the two): copy the newest file, give it a new `revision`, set `down_revision` to the
+newest's, write `upgrade()` with `alembic.op`, and raise `SCHEMA_VERSION` in `versions/` when
+an older hexiseq could no longer read the result.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from alembic.operations import Operations
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection
+
+__all__ = ["VERSION_TABLE", "current_revision", "head_revision", "upgrade_to_head"]
+
+VERSION_TABLE = "hexiseq_alembic_version"
+"""The table holding the store's Alembic revision."""
+
+_VERSIONS = Path(__file__).with_name("versions")
+
+
+@cache
+def _scripts() -> ScriptDirectory:
+    """The revisions (each file read once per process)."""
+    return ScriptDirectory(Path(__file__).parent, version_locations=[_VERSIONS])
+
+
+def _context(connection: Connection) -> MigrationContext:
+    return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
+
+
+def head_revision() -> str:
+    """The newest revision this hexiseq knows."""
+    head = _scripts().get_current_head()
+    assert head is not None, "hexiseq/migrations/versions holds no revision"
+    return head
+
+
+def current_revision(connection: Connection) -> str | None:
+    """The store's revision (None: a new store, or one from before migrations)."""
+    return _context(connection).get_current_revision()
+
+
+def is_known(revision: str) -> bool:
+    """Whether `revision` is one of this hexiseq's revisions (a newer hexiseq's is not)."""
+    return any(script.revision == revision for script in _scripts().walk_revisions())
+
+
+def upgrade_to_head(connection: Connection) -> list[str]:
+    """Apply, in order and in the caller's transaction, every revision after the store's own
+    (all of them for a new store or one from before migrations: the first creates only the
+    tables missing), record the head, and return the revisions applied."""
+    scripts = _scripts()
+    context = _context(connection)
+    current = context.get_current_revision()
+    pending = list(scripts.iterate_revisions("heads", current or "base"))
+    pending.reverse()
+    with Operations.context(context):
+        for script in pending:
+            script.module.upgrade()
+    if pending:
+        context.stamp(scripts, "heads")
+    return [script.revision for script in pending]
