@@ -46,11 +46,19 @@ def post_exchange(
     sends: Sequence[tuple[Transfer, torch.Tensor]],
     receives: Sequence[tuple[Transfer, torch.Tensor]],
     tag: int,
+    group: dist.ProcessGroup | None = None,
 ) -> Exchange:
     """Post `sends` (transfer, data) to their receivers and `receives` (transfer, empty buffer)
-    from their senders. Data must be contiguous."""
-    ops = [dist.P2POp(dist.isend, data, t.receiver, tag=tag) for t, data in sends]
-    ops += [dist.P2POp(dist.irecv, buffer, t.sender, tag=tag) for t, buffer in receives]
+    from their senders, the transfers' ranks being ranks of `group` (None: the default
+    group). Data must be contiguous."""
+    ops = [
+        dist.P2POp(dist.isend, data, group=group, group_peer=t.receiver, tag=tag)
+        for t, data in sends
+    ]
+    ops += [
+        dist.P2POp(dist.irecv, buffer, group=group, group_peer=t.sender, tag=tag)
+        for t, buffer in receives
+    ]
     works = dist.batch_isend_irecv(ops) if ops else []
     return Exchange(works, list(receives), [data for _, data in sends])
 

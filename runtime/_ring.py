@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 
 from hexiseq.runtime._block import OnlineSoftmax, attend_block, block_gradients, expansion_index
 from hexiseq.runtime._emulation import compute_phase
@@ -36,8 +37,12 @@ from hexiseq.runtime._tiles import Tile, block_tiles, sorted_ranges
 class RingContext:
     """What one rank needs to run the ring for a layout: routes, tiles, orders, GQA index."""
 
-    def __init__(self, routes: RankRoutes, gqa_ratio: int) -> None:
+    def __init__(
+        self, routes: RankRoutes, gqa_ratio: int, group: dist.ProcessGroup | None = None
+    ) -> None:
         self.routes = routes
+        self.group = group
+        """The process group whose ranks the routes name (None: the default group)."""
         own_order = routes.segment_orders[routes.group_index]
         self._order = _sorting_order(own_order)  # None when already sorted
         self._expansion = expansion_index(routes.heads, routes.kv_heads, gqa_ratio)
@@ -115,7 +120,7 @@ def ring_backward(
         if step == 0:
             home_dkv = partial  # the owner's own share stays home
         else:
-            _fold_shared_heads(ring.routes, partial)
+            _fold_shared_heads(ring, partial)
             if travelling is not None:
                 _add_runs(partial, travelling.wait(), ring.routes.kv_heads)
             travelling = _post_dkv_hop(ring, partial, step)
@@ -134,7 +139,7 @@ def _post_kv_hop(ring: RingContext, block_2BHSD: torch.Tensor, step: int) -> Exc
     tokens = routes.segment_length(routes.block_owner(step + 1))
     sends = [(t, head_slice(block_2BHSD, t.kv_heads, routes.kv_heads[0])) for t in routes.kv_out]
     receives = receive_buffers(routes.kv_in, block_2BHSD, tokens, block_2BHSD.dtype)
-    return post_exchange(sends, receives, KV_TAG)
+    return post_exchange(sends, receives, KV_TAG, ring.group)
 
 
 def _post_dkv_hop(ring: RingContext, partial_2BHSD: torch.Tensor, step: int) -> Exchange:
@@ -145,19 +150,21 @@ def _post_dkv_hop(ring: RingContext, partial_2BHSD: torch.Tensor, step: int) -> 
     first = routes.kv_heads[0]
     sends = [(t, head_slice(partial_2BHSD, t.kv_heads, first)) for t in routes.dkv_out]
     receives = receive_buffers(routes.dkv_in, partial_2BHSD, tokens, partial_2BHSD.dtype)
-    return post_exchange(sends, receives, DKV_TAG)
+    return post_exchange(sends, receives, DKV_TAG, ring.group)
 
 
-def _fold_shared_heads(routes: RankRoutes, partial_2BHSD: torch.Tensor) -> None:
+def _fold_shared_heads(ring: RingContext, partial_2BHSD: torch.Tensor) -> None:
     """GQA boundary heads: non-keepers hand their partial dK/dV to the head's keeper, so the
     one accumulator that travels carries every member's contribution."""
+    routes = ring.routes
     if not routes.fold_in and not routes.fold_out:
         return
     first = routes.kv_heads[0]
     sends = [(t, head_slice(partial_2BHSD, t.kv_heads, first)) for t in routes.fold_out]
     tokens = partial_2BHSD.shape[3]
     receives = receive_buffers(routes.fold_in, partial_2BHSD, tokens, partial_2BHSD.dtype)
-    _add_runs(partial_2BHSD, post_exchange(sends, receives, FOLD_TAG).wait(), routes.kv_heads)
+    exchange = post_exchange(sends, receives, FOLD_TAG, ring.group)
+    _add_runs(partial_2BHSD, exchange.wait(), routes.kv_heads)
 
 
 def _add_runs(

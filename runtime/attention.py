@@ -20,27 +20,32 @@ from hexiseq.runtime._routes import build_rank_routes
 
 
 class CPHPAttention(torch.nn.Module):
-    """Context- and head-parallel attention for one `AttentionLayout` (contract, DESIGN §8).
+    """Context- and head-parallel attention for one `AttentionLayout` (contract, DESIGN §8)
+    over the ranks of `group` (None: the default process group): layout rank i is the
+    group's rank i.
 
-    Construction is collective: every rank of the default process group builds it with the
-    same layout (it creates one process group per HP group, all in the same order). It holds
-    no parameters, so one instance can serve every layer that shares the layout.
+    Construction is collective over the group: every rank of it builds it with the same
+    layout. Over the default group every rank creates every HP group's process group in the
+    same order; over another group each rank creates only its own HP group's (locally
+    synchronized), so that several groups (data-parallel replicas) can each build their own
+    layout at once. It holds no parameters, so one instance can serve every layer that shares
+    the layout.
 
-    Raises InputError (a ValueError) for a layout that is invalid or made for another world
-    size, RuntimeError when torch.distributed is not initialized.
+    Raises InputError (a ValueError) for a layout that is invalid or made for another group
+    size, or a rank outside `group`; RuntimeError when torch.distributed is not initialized.
     """
 
-    def __init__(self, layout: AttentionLayout) -> None:
+    def __init__(self, layout: AttentionLayout, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
-        _check_layout(layout)
-        rank = dist.get_rank()
+        _check_layout(layout, group)
+        rank = dist.get_rank(group)
         self.layout = layout
         self.rank = rank
+        self.group = group
         routes = build_rank_routes(layout, rank)
-        hp_groups = [dist.new_group(list(members)) for members in layout.groups]
-        group = hp_groups[routes.group_index] if len(routes.members) > 1 else None
-        self._all_to_all = AllToAllPlan(routes, group, layout.num_heads, layout.num_kv_heads)
-        self._ring = RingContext(routes, layout.gqa_ratio)
+        hp_group = _hp_group(layout, routes.group_index, group)
+        self._all_to_all = AllToAllPlan(routes, hp_group, layout.num_heads, layout.num_kv_heads)
+        self._ring = RingContext(routes, layout.gqa_ratio, group)
         self._warmed_up: set[torch.device] = set()
 
     def forward(
@@ -64,16 +69,34 @@ class CPHPAttention(torch.nn.Module):
         return HeadsToSequence.apply(self._all_to_all, out_heads)
 
     def _warm_up(self, device: torch.device) -> None:
-        """NCCL: one collective on the default group before the first batched send/receive,
-        which would otherwise create the communicator with only some ranks taking part."""
+        """NCCL: one collective on the group before the first batched send/receive, which
+        would otherwise create the communicator with only some ranks taking part."""
         if device in self._warmed_up:
             return
-        if dist.get_backend() == "nccl":
-            dist.all_reduce(torch.zeros(1, device=device))
+        if dist.get_backend(self.group) == "nccl":
+            dist.all_reduce(torch.zeros(1, device=device), group=self.group)
         self._warmed_up.add(device)
 
 
-def _check_layout(layout: AttentionLayout) -> None:
+def _hp_group(
+    layout: AttentionLayout, group_index: int, group: dist.ProcessGroup | None
+) -> dist.ProcessGroup | None:
+    """The process group of this rank's HP group (None when it is the rank alone)."""
+    if group is None:
+        hp_groups = [dist.new_group(list(members)) for members in layout.groups]
+        return hp_groups[group_index] if len(layout.groups[group_index]) > 1 else None
+    members = layout.groups[group_index]
+    if len(members) == 1:
+        return None
+    global_ranks = dist.get_process_group_ranks(group)  # in group-rank order
+    return dist.new_group(  # group ranks in layout-rank order, as the all-to-all expects
+        [global_ranks[member] for member in sorted(members)],
+        use_local_synchronization=True,
+        sort_ranks=False,
+    )
+
+
+def _check_layout(layout: AttentionLayout, group: dist.ProcessGroup | None) -> None:
     if not isinstance(layout, AttentionLayout):
         raise InputError(
             f"CPHPAttention: layout is a {type(layout).__name__}; need an AttentionLayout"
@@ -87,7 +110,13 @@ def _check_layout(layout: AttentionLayout) -> None:
             "CPHPAttention: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group first"
         )
-    world_size = dist.get_world_size()
+    if group is not None and dist.get_rank(group) < 0:
+        raise InputError(
+            f"CPHPAttention: global rank {dist.get_rank()} is not in the given process group "
+            f"(its ranks: {dist.get_process_group_ranks(group)}); build it only on the group's "
+            "ranks"
+        )
+    world_size = dist.get_world_size(group)
     if layout.world_size != world_size:
         raise InputError(
             f"CPHPAttention: the layout is for {layout.world_size} ranks but the process group "

@@ -168,14 +168,15 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return difference / scale if scale > 0 else difference
 
 
-def check_case(case: Case, rank: int) -> None:
-    """Run `CPHPAttention` on this rank's shard and compare with the reference."""
+def check_case(case: Case, rank: int, group=None) -> None:
+    """Run `CPHPAttention` on this rank's shard and compare with the reference; `rank` is
+    the rank in `group` (None: the default process group)."""
     from hexiseq.runtime import CPHPAttention
 
     index = token_index(case.layout, rank)
     q, k, v, dout = (x[:, index] for x in full_inputs(case))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out = CPHPAttention(case.layout)(*leaves, causal=case.causal)
+    out = CPHPAttention(case.layout, group)(*leaves, causal=case.causal)
     out.backward(dout)
     expected = [x[:, index] for x in reference_results(case)]
     actual = [out, *(x.grad for x in leaves)]
