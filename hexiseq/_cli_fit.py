@@ -5,8 +5,10 @@ scikit-learn, which `hexiseq --help` should not wait for)."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from hexiseq._cli_output import add_json_argument, print_json
 from hexiseq.errors import InputError
 from hexiseq.store import STORE_URL_HELP
 
@@ -30,6 +32,9 @@ def add_fit_parser(commands: Any) -> None:
         "--store",
         metavar="URL",
         help=f"SQLAlchemy URL of the store with the profiles {STORE_URL_HELP}",
+    )
+    add_json_argument(
+        fit, "the fitted model's id and every fit's held-out errors, what was skipped"
     )
 
 
@@ -57,6 +62,9 @@ def run_fit(args: argparse.Namespace) -> int:
         model = FittedCostModel(document)
         fitted_id = store.save_fitted_model(model.to_json())
         url = store.url
+    if args.json:
+        print_json(fit_document(document, fitted_id, url, model.covered_types))
+        return 0
     print(format_heldout_table(document))
     only = "links only" if document.links else "memory calibration only"
     covered = ", ".join(model.covered_types) or f"no device type ({only})"
@@ -65,6 +73,40 @@ def run_fit(args: argparse.Namespace) -> int:
     calibrated = ", ".join(dict.fromkeys(fit.device_type for fit in document.memory))
     print(f"; memory calibrated by measured peaks for {calibrated}" if calibrated else "")
     return 0
+
+
+_FIT_FIELDS = {
+    "ops": {"device_type", "op", "dtype", "emulation_slowdown", "points", "fit_mape"},
+    "links": {"link_class", "op", "device_type", "points", "fit_mape"},
+    "memory": {"device_type", "memory_measure", "reserve_bytes", "scale", "points", "fit_mape"},
+}
+
+
+def fit_document(
+    document: FittedDocument, fitted_id: int, url: str, covered_types: Sequence[str]
+) -> dict[str, Any]:
+    """What `hexiseq fit --json` prints: where the fit went, the device types it covers, each
+    fit's identity, points and held-out errors (`heldout`: extrapolation to the largest third,
+    leave one device type out, the goal and whether it was met), and what was skipped."""
+    fits = {
+        kind: [
+            {**fit.model_dump(mode="json", include=fields), "heldout": _heldout(fit)}
+            for fit in getattr(document, kind)
+        ]
+        for kind, fields in _FIT_FIELDS.items()
+    }
+    return {
+        "store": url,
+        "fitted_model_id": fitted_id,
+        "covered_types": list(covered_types),
+        **fits,
+        "skipped": [skipped.model_dump(mode="json") for skipped in document.skipped],
+        "sources": [source.model_dump(mode="json") for source in document.sources],
+    }
+
+
+def _heldout(fit) -> dict[str, Any]:
+    return fit.heldout.model_dump(mode="json")
 
 
 def read_profile_sources(store: Store, *, required: bool = True) -> list[ProfileSource]:

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hexiseq._cli_output import print_json
 from hexiseq._cli_types import positive_int
 from hexiseq.errors import InputError
 from hexiseq.store import STORE_URL_HELP, child_environment
@@ -107,6 +108,13 @@ def _add_shared_options(parser: argparse.ArgumentParser, *, argparse_defaults: b
         metavar="GPU",
         help="catalog GPU type of a CUDA device whose name the catalog does not match",
     )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        default=default(False),
+        help="print one JSON document on stdout (what was measured, by status, and what was "
+        "skipped) and no human text",
+    )
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -156,11 +164,32 @@ def _sweep_compute(args: argparse.Namespace, grid, grid_label: str, slowdown: fl
     )
     with Store.open(args.store) as store:
         summary = run_compute_sweep(store, sweep)
-        print(
-            f"profile {identity.device_type} ({identity.device_name}), grid {grid_label}: "
-            f"{summary.describe()}; store {store.url}"
-        )
+        url = store.url
+    if args.json:
+        print_json(compute_document(args, identity, grid_label, summary, url))
+        return 0
+    print(
+        f"profile {identity.device_type} ({identity.device_name}), grid {grid_label}: "
+        f"{summary.describe()}; store {url}"
+    )
     return 0
+
+
+def compute_document(args: argparse.Namespace, identity, grid_label: str, summary, url: str):
+    """What `hexiseq profile --json` prints: the device, the grid, the points measured by
+    status, and those skipped (already in the store, or over the grid's size limit)."""
+    return {
+        "target": "compute",
+        "device": args.device,
+        "device_type": identity.device_type,
+        "device_name": identity.device_name,
+        "grid": grid_label,
+        "store": url,
+        "run_id": summary.run_id,
+        "measured": dict(sorted(summary.statuses.items())),
+        "measured_total": sum(summary.statuses.values()),
+        "skipped": {"already_stored": summary.already_stored, "over_limit": summary.over_limit},
+    }
 
 
 def _run_links(args: argparse.Namespace) -> int:
@@ -178,15 +207,59 @@ def _run_links(args: argparse.Namespace) -> int:
     if args.link_class is not None and not args.link_class.strip():
         raise InputError("--link-class must not be empty")
     grid_path, grid_label = _grid_source(args)
-    if load_grid(grid_path).links is None:
+    grid = load_grid(grid_path)
+    if grid.links is None:
         raise InputError(f"grid file {grid_path}: has no links section to sweep")
     if args.device == "cuda":
         from hexiseq.profiler import check_cuda_ranks
 
         check_cuda_ranks(args.nproc)
-    Store.open(args.store).close()  # a bad URL fails here, in one line, not on rank 0
+    with Store.open(args.store) as store:  # a bad URL fails here, in one line, not on rank 0
+        runs_before = _profile_run_ids(store) if args.json else set()
     command, environment = links_command(args, grid_path, grid_label)
-    return subprocess.run(command, env=environment, check=False).returncode
+    # With --json the ranks' human line goes to stderr: stdout holds the document alone.
+    output = {"stdout": sys.stderr} if args.json else {}
+    code = subprocess.run(command, env=environment, check=False, **output).returncode
+    if args.json:
+        print_json(_links_document(args, grid, grid_label, runs_before, code))
+    return code
+
+
+def _profile_run_ids(store) -> set[int]:
+    return {run_id for run_id, _, _ in store.profile_measurements_by_run()}
+
+
+def _links_document(
+    args: argparse.Namespace, grid, grid_label: str, runs_before: set[int], code: int
+) -> dict:
+    """What `hexiseq profile links --json` prints, read back from the store after torchrun:
+    the points this sweep measured, by status, and those it skipped (already stored)."""
+    from collections import Counter
+
+    from hexiseq.profiler._points import link_points
+    from hexiseq.store import Store
+
+    with Store.open(args.store) as store:
+        new_runs = [
+            run for run in store.profile_measurements_by_run() if run[0] not in runs_before
+        ]
+        url = store.url
+    measurements = [m for _, _, rows in new_runs for m in rows]
+    measured = Counter(m.status for m in measurements)
+    total = len(link_points(grid, args.nproc))
+    return {
+        "target": "links",
+        "device": args.device,
+        "nproc": args.nproc,
+        "grid": grid_label,
+        "store": url,
+        "exit_code": code,
+        "run_ids": [run_id for run_id, _, _ in new_runs],
+        "link_classes": sorted({m.link_class for m in measurements if m.link_class}),
+        "measured": dict(sorted(measured.items())),
+        "measured_total": len(measurements),
+        "skipped": {"already_stored": total - len(measurements) if code == 0 else None},
+    }
 
 
 def links_command(

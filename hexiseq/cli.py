@@ -1,6 +1,7 @@
 """The `hexiseq` command line: a thin shell over the library.
 
-Bad input exits with code 2 and one line on stderr, never a traceback. Every command takes the
+Bad input exits with code 2 and one line on stderr, never a traceback; "no plan fits" exits
+with 3; the other codes are in `EXIT_CODES_EPILOG` (`hexiseq --help`). Every command takes the
 store URL from `--store`, else $HEXISEQ_STORE_URL, else sqlite:///hexiseq.db; a URL with a
 password belongs in the environment (argv is public), and no output shows the password.
 """
@@ -8,18 +9,27 @@ password belongs in the environment (argv is public), and no output shows the pa
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import textwrap
 import uuid
 from collections.abc import Sequence
 
 from hexiseq._cli_dashboard import add_dashboard_parser, run_dashboard
-from hexiseq._cli_fit import add_cost_model_argument, add_fit_parser, plan_cost_model, run_fit
+from hexiseq._cli_fit import add_fit_parser, run_fit
+from hexiseq._cli_output import (
+    EXIT_BAD_INPUT,
+    EXIT_BROKEN_PIPE,
+    EXIT_CODES_EPILOG,
+    EXIT_NO_PLAN_FITS,
+)
+from hexiseq._cli_plan import add_plan_parser, run_plan
+from hexiseq._cli_plans import add_plans_parser, run_plans
 from hexiseq._cli_predict import add_predict_parser, run_predict
 from hexiseq._cli_profile import add_profile_parser, run_profile
-from hexiseq._cli_types import positive_float, positive_int
-from hexiseq.cluster import cluster_presets
-from hexiseq.errors import HexiseqError
-from hexiseq.model import model_presets
+from hexiseq._cli_torch import require_torch
+from hexiseq._cli_types import positive_int
+from hexiseq.errors import HexiseqError, InfeasibleError
 from hexiseq.store import (
     DEFAULT_STORE_URL,
     LAUNCH_ID_ENV,
@@ -29,7 +39,6 @@ from hexiseq.store import (
     store_url_from,
 )
 
-EXIT_BAD_INPUT = 2
 STORE_EPILOG = (
     f"Every command takes the store URL from --store, else ${STORE_URL_ENV}, else "
     f"{DEFAULT_STORE_URL}. Give a URL with a password in ${STORE_URL_ENV}: a command line is "
@@ -45,78 +54,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def package_version() -> str:
+    """hexiseq's version from the installed package's metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hexiseq")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hexiseq", description=__doc__.splitlines()[0], epilog=STORE_EPILOG)
+    epilog = textwrap.fill(STORE_EPILOG, 79) + "\n\n" + EXIT_CODES_EPILOG
+    parser = _Parser(
+        prog="hexiseq",
+        description=__doc__.splitlines()[0],
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hexiseq {package_version()}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan = commands.add_parser(
-        "plan",
-        help="find the fastest CP-HP plan for a cluster, model and sequence length",
-        description="Find the fastest asymmetric CP-HP plan and compare it with the baselines.",
-    )
-    plan.add_argument(
-        "--cluster",
-        required=True,
-        metavar="PATH|PRESET",
-        help=f"cluster YAML file or preset: {', '.join(cluster_presets())}",
-    )
-    plan.add_argument(
-        "--model",
-        required=True,
-        metavar="PRESET",
-        help=f"model preset: {', '.join(model_presets())}",
-    )
-    plan.add_argument(
-        "--seq-len", required=True, metavar="TOKENS", help="tokens per sequence: 131072, 128k, 1M"
-    )
-    plan.add_argument("--out", metavar="PATH", help="write the best plan as JSON here")
-    plan.add_argument(
-        "--store",
-        metavar="URL",
-        help=f"SQLAlchemy URL of the store the plans are saved in {STORE_URL_HELP}",
-    )
-    plan.add_argument("--no-store", action="store_true", help="do not save the plans")
-    plan.add_argument(
-        "--time-budget",
-        type=positive_float,
-        metavar="SECONDS",
-        help="let the Optuna layer search this long beyond the greedy candidates",
-    )
-    plan.add_argument(
-        "--trials",
-        type=positive_int,
-        metavar="N",
-        help="trials in this run, a new study's greedy short list included (deterministic "
-        "for a given --seed)",
-    )
-    plan.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
-    plan.add_argument(
-        "--storage",
-        metavar="URL",
-        help="SQLAlchemy URL of the Optuna study (SQLite, PostgreSQL): keeps it, lets workers "
-        "share it and a later run go on with it",
-    )
-    plan.add_argument(
-        "--workers",
-        type=positive_int,
-        default=1,
-        metavar="N",
-        help="processes searching one study (needs --storage; default 1)",
-    )
-    plan.add_argument(
-        "--pareto",
-        action="store_true",
-        help="search throughput against memory headroom and print the Pareto front",
-    )
-    plan.add_argument(
-        "--checkpointing",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="activation checkpointing: auto (off wherever memory allows), on, or off",
-    )
-    plan.add_argument(
-        "--no-checkpointing", action="store_true", help="same as --checkpointing off"
-    )
-    add_cost_model_argument(plan)
+    add_plan_parser(commands)
+    add_plans_parser(commands)
     _add_run_parser(commands)
     add_fit_parser(commands)
     add_predict_parser(commands)
@@ -159,14 +118,29 @@ def _add_run_parser(commands) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `hexiseq` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the `hexiseq` console script; returns the exit code.
+
+    A reader that closes stdout early (`hexiseq plans list | head -1`) ends the command
+    quietly with EXIT_BROKEN_PIPE: no traceback, nothing more written."""
+    try:
+        code = _dispatch(build_parser().parse_args(argv))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could not be caught
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command != "predict":  # predict reads no store unless one is named
         args.store = store_url_from(args.store)
     try:
         if args.command == "plan":
-            return _plan(args)
+            return run_plan(args)
+        if args.command == "plans":
+            return run_plans(args)
         if args.command == "run":
+            require_torch("hexiseq run")
             return _run(args)
         if args.command == "dashboard":
             return run_dashboard(args)
@@ -175,51 +149,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "predict":
             return run_predict(args)
         if args.command == "profile":
+            require_torch("hexiseq profile")
             return run_profile(args)
+    except InfeasibleError as exc:
+        print(f"hexiseq: error: {exc}", file=sys.stderr)
+        return EXIT_NO_PLAN_FITS
     except HexiseqError as exc:
         print(f"hexiseq: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
 
 
-def _plan(args: argparse.Namespace) -> int:
-    from hexiseq.cluster import Cluster
-    from hexiseq.model import ModelSpec
-    from hexiseq.report import format_search_result
-    from hexiseq.search import plan_search
-    from hexiseq.units import parse_seq_len
-
-    # Check every input before anything is created on disk.
-    cluster, model = Cluster.load(args.cluster), ModelSpec.preset(args.model)
-    seq_len = parse_seq_len(args.seq_len)
-    store = _open_store(args)
-    cost_model = plan_cost_model(args, store)  # None: the datasheet default
-    result = plan_search(
-        cluster,
-        model,
-        seq_len,
-        time_budget_s=args.time_budget,
-        n_trials=args.trials,
-        seed=args.seed,
-        storage=args.storage,
-        workers=args.workers,
-        multi_objective=args.pareto,
-        activation_checkpointing=_checkpointing(args),
-        show_progress=_wants_progress(args),
-        cost_model=cost_model,
-    )
-    print(format_search_result(result))
-    if cost_model is not None:
-        labels = result.best.predicted.cost_model.items()
-        print("\ncost model per device type: " + "; ".join(f"{g}: {m}" for g, m in labels))
-    if args.out:
-        _write_plan(result.best, args.out)
-        print(f"\nplan written to {args.out}")
-    if store is not None:
-        plan_id = store.save_search_result(result.best, result.baselines)
-        print(f"saved to {store.url} as plan {plan_id} (baselines beside it)")
-        store.close()
-    return 0
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush at exit does not raise
+    BrokenPipeError again (Python's documented pattern for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (an in-process test's buffer)
+        pass
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -317,33 +265,12 @@ def run_command(args: argparse.Namespace, world_size: int) -> tuple[list[str], d
     return command, environment
 
 
-def _checkpointing(args: argparse.Namespace) -> bool | None:
-    if args.no_checkpointing:
-        return False
-    return {"auto": None, "on": True, "off": False}[args.checkpointing]
-
-
-def _wants_progress(args: argparse.Namespace) -> bool:
-    """A progress bar (on stderr) for searches that may run longer than a second."""
-    long_search = args.time_budget is not None and args.time_budget > 1 or args.trials is not None
-    return bool(long_search and sys.stderr.isatty())
-
-
 def _open_store(args: argparse.Namespace):
     if args.no_store:
         return None
     from hexiseq.store import Store
 
     return Store.open(args.store)
-
-
-def _write_plan(plan, path: str) -> None:
-    from hexiseq.errors import InputError
-
-    try:
-        plan.to_json(path)
-    except OSError as exc:
-        raise InputError(f"--out {path}: cannot write ({exc.strerror or exc})") from None
 
 
 if __name__ == "__main__":

@@ -127,7 +127,8 @@ def create_study(storage: str | None, name: str, seed: int, multi_objective: boo
         kinds = {1: "throughput only", 2: "throughput and memory headroom (Pareto)"}
         raise InputError(
             f"study {name!r} was made to search {kinds[len(study.directions)]}, this search "
-            f"wants {kinds[len(directions)]}; use another storage or study_name"
+            f"wants {kinds[len(directions)]}; use another storage or study name (`hexiseq plan "
+            "--study-name`, `plan_search(study_name=...)`)"
         )
     return study
 
@@ -181,16 +182,34 @@ def check_search_space(study, problem: Problem) -> None:
             )
             raise InputError(
                 f"study {study.study_name!r} was searched over another space (trial "
-                f"{trial.number}: {detail}); use another storage, or another study_name in "
-                "plan_search"
+                f"{trial.number}: {detail}); use another storage or study name (`hexiseq "
+                "plan --study-name`, `plan_search(study_name=...)`)"
             )
 
 
 def default_study_name(problem: Problem, multi_objective: bool) -> str:
+    """The name of a search's study when `study_name` is not given (`study_name_for`)."""
+    return study_name_for(
+        problem.cluster.name,
+        problem.model.name,
+        problem.train.seq_len,
+        multi_objective,
+        problem.checkpointing_options,
+    )
+
+
+def study_name_for(
+    cluster_name: str,
+    model_name: str,
+    seq_len: int,
+    multi_objective: bool,
+    checkpointing_options: tuple[bool, ...],
+) -> str:
     """cluster/model/tokens/kind, with the checkpointing setting where it is forced (a
-    forced search is another search space)."""
+    forced search is another search space): the default study name, which `hexiseq plan`
+    also needs before the search starts (its progress bar reads the stored study)."""
     kind = "pareto" if multi_objective else "throughput"
-    name = f"{problem.cluster.name}/{problem.model.name}/{problem.train.seq_len}/{kind}"
-    if len(problem.checkpointing_options) == 1:
-        name += "/checkpointing-" + ("on" if problem.checkpointing_options[0] else "off")
+    name = f"{cluster_name}/{model_name}/{seq_len}/{kind}"
+    if len(checkpointing_options) == 1:
+        name += "/checkpointing-" + ("on" if checkpointing_options[0] else "off")
     return name

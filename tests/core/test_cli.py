@@ -202,10 +202,6 @@ BAD_INPUTS = {
     "unknown-model": ({"model": "gpt5"}, r"unknown model preset 'gpt5'; presets: "),
     "missing-seq-len": ({"seq_len": None}, r"the following arguments are required: --seq-len"),
     "missing-cluster": ({"cluster": None}, r"the following arguments are required: --cluster"),
-    "infeasible": (
-        {"cluster": "h100x8", "model": "llama3-70b", "seq_len": "1M"},
-        r"no plan for llama3-70b .* fits on h100x8: .* GiB short",
-    ),
 }
 
 
@@ -216,8 +212,8 @@ def _bad_files(tmp_path: Path) -> None:
     )
 
 
-def _assert_one_line_error(run: CliRun, pattern: str) -> None:
-    assert run.code == 2
+def _assert_one_line_error(run: CliRun, pattern: str, code: int = 2) -> None:
+    assert run.code == code
     assert run.stderr.endswith("\n") and run.stderr.count("\n") == 1, run.stderr
     assert "Traceback" not in run.stderr
     assert re.search(pattern, run.stderr), run.stderr
@@ -234,6 +230,14 @@ def test_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, changes, pattern
     assert run.stderr.startswith("hexiseq")
 
 
+def test_no_plan_fits_exits_3_with_one_line(tmp_path, monkeypatch):
+    """Its own exit code: not 2 (bad input), which a script would treat differently."""
+    monkeypatch.chdir(tmp_path)
+    run = run_main(_argv(cluster="h100x8", model="llama3-70b", seq_len="1M"))
+    pattern = r"^hexiseq: error: no plan for llama3-70b .* fits on h100x8: .* GiB short"
+    _assert_one_line_error(run, pattern, code=3)
+
+
 def test_no_subcommand_and_unknown_option_exit_2(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _assert_one_line_error(run_main([]), r"required: command")
@@ -242,12 +246,16 @@ def test_no_subcommand_and_unknown_option_exit_2(tmp_path, monkeypatch):
     )
 
 
-def test_unwritable_out_exits_2_after_printing_the_plan(tmp_path):
+def test_unwritable_out_exits_2_before_the_search(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "no-such-dir" / "plan.json"
-    run = run_main([*_argv(), "--out", str(out)])
+    run = run_main([*[a for a in _argv() if a != "--no-store"], "--out", str(out)])
     assert run.code == 2
     assert run.stderr == f"hexiseq: error: --out {out}: cannot write (No such file or directory)\n"
-    assert not out.exists()
+    assert run.stdout == ""  # nothing searched or printed
+    assert not out.exists() and not (tmp_path / "hexiseq.db").exists()
+    folder = run_main([*_argv(), "--out", str(tmp_path)])
+    _assert_one_line_error(folder, r"--out .*: cannot write \(Is a directory\)")
 
 
 def test_bad_store_url_exits_2(tmp_path):
