@@ -1,7 +1,8 @@
 """torch.distributed executor of a `Plan`: asymmetric Ulysses (HP) + ring attention (CP).
 
-`CPHPAttention(layout)(q, k, v, causal=True)` (DESIGN §8) runs attention on a sequence
-sharded by an `AttentionLayout`; gloo (CPU) and NCCL (GPU). Modules:
+`CPHPAttention(layout, group=None)(q, k, v, causal=True)` (DESIGN §8) runs attention on a
+sequence sharded by an `AttentionLayout` over a process group (default: the world); gloo
+(CPU) and NCCL (GPU). Modules:
 
 - `attention`     the public module: checks, then all-to-all -> ring -> all-to-all back
 - `_all_to_all`   uneven all-to-all between sequence and head form (autograd Functions)
@@ -18,6 +19,7 @@ sharded by an `AttentionLayout`; gloo (CPU) and NCCL (GPU). Modules:
 - `sharding`      model states sharded over the domain in the plan's fractions, even or not:
                   FP32 master shards, weights gathered in the compute dtype (ZeRO-3 style)
 - `train`         the torchrun train loop of a plan, measured into the store
+- `hf`            a plan applied to a user's Hugging Face Llama/Qwen2 model (attention swapped)
 - `_emulation`    emulated slower devices: compute phases padded by sleeping
 
 Communication of one attention layer (B batch, D head size, e bytes per element of the
