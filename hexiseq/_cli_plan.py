@@ -58,8 +58,11 @@ def _add_problem_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--model",
         required=True,
-        metavar="PRESET",
-        help=f"model preset: {', '.join(model_presets())}",
+        metavar="PRESET|PATH",
+        help=(
+            f"model preset ({', '.join(model_presets())}), a Hugging Face config.json (or its "
+            "directory, or a hub name in the local cache) or a YAML of ModelSpec fields"
+        ),
     )
     plan.add_argument(
         "--seq-len", required=True, metavar="TOKENS", help="tokens per sequence: 131072, 128k, 1M"
@@ -147,12 +150,12 @@ def run_plan(args: argparse.Namespace) -> int:
     """Search, write `--out`, save to the store, then print; InputError on bad input and
     InfeasibleError when no plan fits (the caller maps them to exit codes)."""
     from hexiseq.cluster import Cluster
-    from hexiseq.model import ModelSpec
+    from hexiseq.model_files import load_model
     from hexiseq.units import parse_seq_len
 
     # Check every input before anything is created on disk.
     check_out_choice(args.out, args.json)
-    cluster, model = Cluster.load(args.cluster), ModelSpec.preset(args.model)
+    cluster, model = Cluster.load(args.cluster), load_model(args.model)
     seq_len = parse_seq_len(args.seq_len)
     _check_study_options(args)
     if args.out not in (None, STDOUT):

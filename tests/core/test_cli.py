@@ -199,7 +199,7 @@ BAD_INPUTS = {
         {"cluster": "{tmp}/wrong.yaml"},
         r"cluster file .*wrong\.yaml: nodes\[0\]\.gpu: unknown GPU 'X1'; allowed: ",
     ),
-    "unknown-model": ({"model": "gpt5"}, r"unknown model preset 'gpt5'; presets: "),
+    "unknown-model": ({"model": "gpt5"}, r"model 'gpt5' is not a preset, a file, .*; presets: "),
     "missing-seq-len": ({"seq_len": None}, r"the following arguments are required: --seq-len"),
     "missing-cluster": ({"cluster": None}, r"the following arguments are required: --cluster"),
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cli_runner import run_main
 
 from hexiseq.errors import InputError
 from hexiseq.model import ModelSpec
@@ -144,3 +145,20 @@ def test_a_name_that_is_nothing_lists_what_is_accepted(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(InputError, match="not a preset, a file, or a Hugging Face hub name"):
         load_model("meta-llama/Not-There")
+
+
+def test_hexiseq_plan_takes_a_config_json_and_plans_that_model(tmp_path):
+    config = _write(tmp_path / "Llama-3.1-8B", LLAMA_31_8B)
+    out = tmp_path / "plan.json"
+    done = run_main(
+        ["plan", "--cluster", "h100x8-a100x8", "--model", str(config.parent), "--seq-len",
+         "64k", "--no-store", "--out", str(out), "--json"]
+    )  # fmt: skip
+    assert done.code == 0, done.stderr
+    assert json.loads(done.stdout)["model"] == "Llama-3.1-8B"
+    planned = json.loads(out.read_text())["model"]
+    assert (planned["rope_theta"], planned["kv_heads"], planned["name"]) == (
+        500000.0, 8, "Llama-3.1-8B",
+    )  # fmt: skip
+    bad = run_main(["plan", "--cluster", "h100x8", "--model", "nope", "--seq-len", "8k"])
+    assert bad.code == 2 and "not a preset, a file" in bad.stderr
