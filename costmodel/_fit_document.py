@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from hexiseq._yaml import format_validation_error
@@ -18,10 +19,11 @@ from hexiseq.errors import InputError
 from hexiseq.profiles import COMPUTE_OPS, LINK_OPS
 
 DOCUMENT_FORMAT = "hexiseq.fitted_cost_model"
-DOCUMENT_SCHEMA_VERSION = 4
+DOCUMENT_SCHEMA_VERSION = 5
 """2 added the cache terms (gemm, elementwise), `cache_bytes` and `attention_kernel`; 3 added
 the memory calibrations (`memory`); 4 added the GPU feature sets (`sm_count`,
-`ridge_flops_per_byte`) and each held-out error's goal (`goal_mape`, `goal_met`). Version 1
+`ridge_flops_per_byte`) and each held-out error's goal (`goal_mape`, `goal_met`); 5 added each
+compute fit's stability (`bootstrap_mape_p10`, `bootstrap_mape_p90`, `stable`). Version 1
 documents are still read, their fits upgraded to today's features (cache terms 0); versions
 1 and 2 have no memory calibration; fits of versions 1 to 3 get their goal flags on reading,
 from the extrapolation error they carry."""
@@ -64,6 +66,15 @@ class HeldOut(_Strict):
     goal_met: bool | None = None
     """`extrapolation_mape` <= `goal_mape`; False: `--cost-model auto` does not use the fit
     (the datasheet stands in for it); None: no goal, or no extrapolation error."""
+    bootstrap_mape_p10: float | None = Field(default=None, ge=0)
+    """Stability: the extrapolation error of fits to resamples of the training points (drawn
+    with replacement, `BOOTSTRAP_RESAMPLES` of them), 10th percentile ..."""
+    bootstrap_mape_p90: float | None = Field(default=None, ge=0)
+    """... and 90th: a wide spread means the fit hangs on a few points and a new profile of
+    the same device may well fit otherwise."""
+    stable: bool | None = None
+    """`bootstrap_mape_p90` <= `STABILITY_FACTOR` x `goal_mape`; False: `--cost-model auto`
+    does not use the fit either; None: not measured (links, memory, documents before it)."""
 
 
 class EmulationCheck(_Strict):
@@ -187,7 +198,7 @@ class FittedDocument(_Strict):
     """The whole fit session: every fit, where the points came from, what was skipped."""
 
     format: Literal["hexiseq.fitted_cost_model"] = DOCUMENT_FORMAT
-    schema_version: Literal[1, 2, 3, 4] = DOCUMENT_SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5] = DOCUMENT_SCHEMA_VERSION
     created_at: str
     versions: dict[str, str]
     loss: str
@@ -235,6 +246,24 @@ def _fit_with_goal(fit, goal: float):
     if not isinstance(heldout, dict) or "goal_mape" in heldout:
         return fit  # malformed (left for validation to name) or already flagged
     return {**fit, "heldout": {**heldout, **goal_flags(heldout.get("extrapolation_mape"), goal)}}
+
+
+BOOTSTRAP_RESAMPLES = 40
+"""Resamples of a compute fit's training points behind its stability figures."""
+STABILITY_FACTOR = 2.0
+"""A fit is stable when 9 of 10 resampled fits extrapolate within this many times its goal."""
+
+
+def stability_flags(bootstrap_mapes, goal: float) -> dict:
+    """The bootstrap's p10 and p90 extrapolation errors and whether the fit is stable."""
+    if len(bootstrap_mapes) == 0:
+        return {}
+    p10, p90 = (float(np.percentile(bootstrap_mapes, q)) for q in (10, 90))
+    return {
+        "bootstrap_mape_p10": p10,
+        "bootstrap_mape_p90": p90,
+        "stable": bool(p90 <= STABILITY_FACTOR * goal),
+    }
 
 
 def goal_flags(extrapolation_mape, goal: float) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hexiseq.costmodel._fit_document import (
     COMPUTE_GOAL_MAPE,
     LINK_GOAL_MAPE,
+    STABILITY_FACTOR,
     FittedDocument,
     HeldOut,
     LinkFit,
@@ -25,6 +26,7 @@ _HEADERS = [
     "extrap. MAPE",
     "max err",
     "LODO MAPE",
+    "bootstrap p10-p90",
     "goal (extrap.)",
 ]
 
@@ -37,23 +39,35 @@ def format_heldout_table(document: FittedDocument) -> str:
     rows += [_memory_row(fit) for fit in document.memory]
     if not rows:
         return "no family had enough ok points to fit" + _skipped_lines(document)
-    table = format_table(_HEADERS, rows, right={3, 4, 5, 6, 7})
+    table = format_table(_HEADERS, rows, right={3, 4, 5, 6, 7, 9})
     missed = missed_goal_lines(document)
-    heading = "\n\nmissed its goal (`--cost-model auto` uses the datasheet for it instead; "
+    heading = (
+        "\n\nmissed its goal or unstable (`--cost-model auto` uses the datasheet for it instead; "
+    )
     heading += "`--cost-model fitted` forces the fit):\n"
     fallback = heading + "\n".join(missed) if missed else ""
     return table + fallback + _emulation_lines(document) + _skipped_lines(document)
 
 
 def missed_goal_lines(document: FittedDocument) -> list[str]:
-    """One line per fit whose extrapolation error exceeds its goal (`HeldOut.goal_met`)."""
+    """One line per fit whose extrapolation error exceeds its goal (`HeldOut.goal_met`) or
+    that is unstable (`HeldOut.stable`)."""
     fits = [f for f in document.ops if f.emulation_slowdown == 1.0] + list(document.links)
-    return [
-        f"  {_fit_name(fit)}: {_percent(fit.heldout.extrapolation_mape)} > "
-        f"{100 * fit.heldout.goal_mape:g} %"
-        for fit in fits
-        if fit.heldout.goal_met is False
-    ]
+    lines = []
+    for fit in fits:
+        heldout = fit.heldout
+        if heldout.goal_met is False:
+            lines.append(
+                f"  {_fit_name(fit)}: {_percent(heldout.extrapolation_mape)} > "
+                f"{100 * heldout.goal_mape:g} %"
+            )
+        elif heldout.stable is False:
+            lines.append(
+                f"  {_fit_name(fit)}: unstable, bootstrap p90 "
+                f"{_percent(heldout.bootstrap_mape_p90)} > {STABILITY_FACTOR:g} x "
+                f"{100 * heldout.goal_mape:g} %"
+            )
+    return lines
 
 
 def _fit_name(fit: OpFit | LinkFit) -> str:
@@ -99,8 +113,16 @@ def _error_cells(points: int, heldout: HeldOut, goal: float | None) -> list[str]
         _percent(mape),
         _percent(heldout.extrapolation_max_error),
         _lodo_cell(heldout),
+        _stability_cell(heldout),
         f"≤ {100 * goal:g} %: {met}" if goal is not None else "-",
     ]
+
+
+def _stability_cell(heldout: HeldOut) -> str:
+    if heldout.bootstrap_mape_p10 is None or heldout.bootstrap_mape_p90 is None:
+        return "-"
+    spread = f"{_percent(heldout.bootstrap_mape_p10)} - {_percent(heldout.bootstrap_mape_p90)}"
+    return spread + ("" if heldout.stable is not False else " UNSTABLE")
 
 
 def _lodo_cell(heldout: HeldOut) -> str:

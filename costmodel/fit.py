@@ -40,6 +40,7 @@ from hexiseq.costmodel._features import (
     size_key,
 )
 from hexiseq.costmodel._fit_document import (
+    BOOTSTRAP_RESAMPLES,
     COMPUTE_GOAL_MAPE,
     LINK_GOAL_MAPE,
     EmulationCheck,
@@ -52,6 +53,7 @@ from hexiseq.costmodel._fit_document import (
     Skipped,
     SourceRun,
     goal_flags,
+    stability_flags,
 )
 from hexiseq.costmodel._gpu_features import gpu_traits
 from hexiseq.costmodel._memory_fit import RuntimeSource, fit_memory, memory_points
@@ -229,6 +231,8 @@ def _fit_compute_families(families: dict[tuple, _Points]) -> list[tuple[OpFit, _
         test_features = _with_capacity(op, points.features[test], train_cache)
         predicted = test_features @ train_coefficients
         heldout = _heldout(train, test, predicted, points.seconds[test], COMPUTE_GOAL_MAPE)
+        stability = stability_flags(_bootstrap_mapes(op, points, train, test), COMPUTE_GOAL_MAPE)
+        heldout = heldout.model_copy(update=stability)
         fit = OpFit(
             device_type=device_type,
             op=op,
@@ -291,6 +295,20 @@ def _calls_and_bytes_per_call(op: str, features: np.ndarray) -> tuple[np.ndarray
     names = OP_FEATURES[op]
     calls = features[:, names.index("calls")]
     return calls, features[:, names.index("bytes")] / calls
+
+
+def _bootstrap_mapes(op: str, points: _Points, train: np.ndarray, test: np.ndarray) -> list:
+    """The extrapolation error (on the test points) of fits to `BOOTSTRAP_RESAMPLES`
+    resamples of the training points drawn with replacement (seeded by the family's size, so
+    one profile always gives the same figures)."""
+    rng = np.random.default_rng(len(points.seconds) * 7919 + len(train))
+    mapes = []
+    for _ in range(BOOTSTRAP_RESAMPLES):
+        rows = rng.choice(train, size=len(train), replace=True)
+        coefficients, cache, _ = _fit_points(op, points, rows)
+        predicted = _with_capacity(op, points.features[test], cache) @ coefficients
+        mapes.append(_mape(predicted, points.seconds[test]))
+    return mapes
 
 
 def _heldout(

@@ -22,7 +22,9 @@ Choices, and why:
   (`cpu_max_rss` for `cpu`, `cuda_max_allocated` for a GPU); elsewhere the model as written.
 - Goals: a fit whose held-out extrapolation error missed its goal (`HeldOut.goal_met` False:
   above 5 % for compute, 10 % for links) is not used: that op family on that device type (or
-  that link class) falls back to the datasheet model, and the label says so. `forced=True`
+  that link class) falls back to the datasheet model, and the label says so; so does a
+  compute fit that is unstable (`HeldOut.stable` False: fits to resamples of its training
+  points extrapolate beyond twice its goal in more than 1 of 10). `forced=True`
   (`--cost-model fitted`) uses every fit anyway, and its label says which it forced.
 - GPU fits predict with the GPU features they were fitted on (`_gpu_features`: SM waves,
   FlashAttention-2 tiles); CPU fits with the CPU's (`_features`).
@@ -53,6 +55,7 @@ from hexiseq.costmodel._features import (
     square_gemm_bytes,
 )
 from hexiseq.costmodel._fit_document import (
+    STABILITY_FACTOR,
     FittedDocument,
     LinkFit,
     OpFit,
@@ -91,7 +94,7 @@ class FittedCostModel:
 
     def __post_init__(self) -> None:
         candidates = _used_op_fits(self.document.ops)
-        missed = {key: fit for key, fit in candidates.items() if fit.heldout.goal_met is False}
+        missed = {key: fit for key, fit in candidates.items() if _refused_by_auto(fit.heldout)}
         used = candidates if self.forced else _without(candidates, missed)
         object.__setattr__(self, "_ops", used)
         object.__setattr__(self, "_missed", missed)
@@ -138,10 +141,18 @@ class FittedCostModel:
 
     def _missed_note(self, gpu: str, op: str) -> str:
         heldout = self._missed[gpu, op].heldout
-        numbers = f"{_percent(heldout.extrapolation_mape)} > {_percent(heldout.goal_mape)}"
+        if heldout.goal_met is False:
+            why = "missed its goal"
+            numbers = f"{_percent(heldout.extrapolation_mape)} > {_percent(heldout.goal_mape)}"
+        else:
+            why = "is unstable"
+            numbers = (
+                f"bootstrap p90 {_percent(heldout.bootstrap_mape_p90)} > "
+                f"{STABILITY_FACTOR:g} x {_percent(heldout.goal_mape)}"
+            )
         if self.forced:
-            return f"{op}: fit forced by --cost-model fitted though it missed its goal, {numbers}"
-        return f"{op}: datasheet — fit missed its goal, {numbers}"
+            return f"{op}: fit forced by --cost-model fitted though it {why}, {numbers}"
+        return f"{op}: datasheet — fit {why}, {numbers}"
 
     def _profiled_other_kernel(self, gpu: str, op: str) -> bool:
         """Whether `gpu`'s fit of attention `op` timed another kernel than the runtime runs
@@ -371,6 +382,12 @@ def _used_link_fits(fits: Sequence[LinkFit]) -> dict[str, LinkFit]:
     for fit in sorted(fits, key=lambda f: LINK_OP_PREFERENCE.index(f.op)):
         used.setdefault(fit.link_class, fit)
     return used
+
+
+def _refused_by_auto(heldout) -> bool:
+    """A fit `--cost-model auto` leaves to the datasheet: it missed its goal, or is unstable
+    (its resampled fits extrapolate beyond `STABILITY_FACTOR` x the goal)."""
+    return heldout.goal_met is False or heldout.stable is False
 
 
 def _describe_runs(document: FittedDocument, runs: list[int]) -> str:

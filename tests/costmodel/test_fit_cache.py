@@ -17,6 +17,7 @@ from hexiseq.costmodel._features import (
     computed_masked_fraction,
     measurement_features,
 )
+from hexiseq.costmodel._fit_document import DOCUMENT_SCHEMA_VERSION
 from hexiseq.flops import ATTENTION_BACKWARD_FACTOR, attention_flops
 from hexiseq.profiles import attention_pairs
 
@@ -210,7 +211,7 @@ def test_a_schema_1_document_is_still_read_and_predicts_with_its_own_features():
         "cpu", 1e9, bytes_moved=1e7
     )
     assert old.memory_bound_time_s("cpu", 1e8) == current.memory_bound_time_s("cpu", 1e8)
-    assert json.loads(current.to_json())["schema_version"] == 4
+    assert json.loads(current.to_json())["schema_version"] == DOCUMENT_SCHEMA_VERSION == 5
 
 
 def test_a_point_is_predicted_with_the_capacities_its_fit_used():
