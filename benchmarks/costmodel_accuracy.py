@@ -1,4 +1,4 @@
-"""Held-out accuracy of the fitted cost model on the profiles in a store (DESIGN.md §6).
+"""Held-out accuracy of the fitted cost model on the profiles in a store (docs/design.md §6).
 
 Fits every ok profile measurement of the store exactly as `hexiseq fit` does (nothing is
 saved), then reports per device type x op family: points, the extrapolation split (fit on

@@ -3,8 +3,8 @@
 `DatasheetCostModel` is the embedded default until a device type is profiled; every prediction
 it makes is labelled "datasheet estimate". `fit_cost_model` fits profile measurements into a
 `FittedDocument`, and `FittedCostModel` predicts from it for the profiled types (datasheet
-elsewhere). `estimate_memory` is the closed-form per-rank memory model (DESIGN.md §6) and
-`simulate_step` the event-level step simulator (DESIGN.md §7).
+elsewhere). `estimate_memory` is the closed-form per-rank memory model (docs/design.md §6) and
+`simulate_step` the event-level step simulator (docs/design.md §7).
 """
 
 from hexiseq.costmodel._fit_document import FittedDocument

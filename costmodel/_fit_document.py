@@ -2,7 +2,7 @@
 
 Validated by pydantic on the way in, so a corrupt or hand-edited document is refused with one
 line naming the field (`parse_fitted_document`). Times are seconds, bytes are bytes, errors
-are fractions (0.05 = 5 %). Never pickle (DESIGN.md §6).
+are fractions (0.05 = 5 %). Never pickle (docs/design.md §6).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ documents are still read, their fits upgraded to today's features (cache terms 0
 from the extrapolation error they carry."""
 
 COMPUTE_GOAL_MAPE = 0.05
-"""Goal for the extrapolation error of compute ops (DESIGN.md §6, issue 5): 5 %."""
+"""Goal for the extrapolation error of compute ops (docs/design.md §6, issue 5): 5 %."""
 LINK_GOAL_MAPE = 0.10
 """Goal for the extrapolation error of links: 10 %."""
 
@@ -47,7 +47,7 @@ class LodoError(_Strict):
 
 
 class HeldOut(_Strict):
-    """Held-out errors of one fit (DESIGN.md §6)."""
+    """Held-out errors of one fit (docs/design.md §6)."""
 
     train_points: int = Field(ge=0)
     """Extrapolation: the smallest two thirds of the points by size, fitted ..."""

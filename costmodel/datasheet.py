@@ -1,6 +1,6 @@
 """The datasheet cost model: peak x published efficiency per GPU, α + bytes/β links.
 
-The embedded default until a device type has profiles (DESIGN.md §6). The efficiencies and
+The embedded default until a device type has profiles (docs/design.md §6). The efficiencies and
 their sources are in `hexiseq/data/gpus.yaml`; link bandwidth comes from the catalog (intra-node)
 and the cluster file (inter-node). Attention is priced for the kernel the runtime really calls
 on the device (`hexiseq.kernels.attention_kernel`), at that kernel's efficiency.

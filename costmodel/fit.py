@@ -1,4 +1,4 @@
-"""Fitting the cost model to profile measurements, with held-out errors (DESIGN.md §6).
+"""Fitting the cost model to profile measurements, with held-out errors (docs/design.md §6).
 
 `fit_cost_model` turns the profiler's `ProfileMeasurement` rows into a `FittedDocument`:
 - per (device type, op family, dtype, emulation slowdown) an op-time regression that

@@ -1,5 +1,5 @@
 """The fitted cost model: profiled regressions where a device type was profiled, the datasheet
-model elsewhere (DESIGN.md §6).
+model elsewhere (docs/design.md §6).
 
 Choices, and why:
 - An unprofiled GPU type is predicted by `DatasheetCostModel` (labelled "datasheet estimate"),

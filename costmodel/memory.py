@@ -1,4 +1,4 @@
-"""Per-rank memory model of the runtime's training step, term by term (DESIGN.md §6).
+"""Per-rank memory model of the runtime's training step, term by term (docs/design.md §6).
 
 Every term is a buffer `hexiseq.runtime` really allocates, counted from its code (the shapes and
 dtypes below) and checked against what it allocates (`tests/costmodel/test_memory_runtime.py`

@@ -1,4 +1,4 @@
-"""Event-level step simulator (DESIGN.md §7).
+"""Event-level step simulator (docs/design.md §7).
 
 One training step = per micro-batch, every layer's forward and backward (with the recomputed
 forward under activation checkpointing), the LM head and loss, then the optimizer step.

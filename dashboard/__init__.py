@@ -1,4 +1,4 @@
-"""The Streamlit dashboard (DESIGN.md §10), started by `hexiseq dashboard`.
+"""The Streamlit dashboard (docs/design.md §10), started by `hexiseq dashboard`.
 
 `views/`: pure builders (plans, records and DataFrames in; plotly figures and DataFrames out),
 tested directly. `app.py` + `pages/`: thin Streamlit pages that lay the views out; `_session`

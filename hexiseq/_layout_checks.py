@@ -1,4 +1,4 @@
-"""The rules every `AttentionLayout` must keep (DESIGN.md §3), one check per rule.
+"""The rules every `AttentionLayout` must keep (docs/design.md §3), one check per rule.
 
 Each check raises `InputError` (a `ValueError`) with one line naming the broken rule.
 """

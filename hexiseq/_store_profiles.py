@@ -87,7 +87,7 @@ class ProfileMeasurementRow(StoreBase):
 
 class FittedModelRow(StoreBase):
     """One cost-model fit session: its JSON document (coefficients, source runs, point
-    counts, held-out errors, versions), never pickle (DESIGN.md §6)."""
+    counts, held-out errors, versions), never pickle (docs/design.md §6)."""
 
     __tablename__ = "fitted_models"
 

@@ -1,4 +1,5 @@
-"""The GPU catalog: datasheet peak compute, memory, bandwidth and their sources (DESIGN.md §2).
+"""The GPU catalog: datasheet peak compute, memory, bandwidth and their sources
+(docs/design.md §2).
 
 Attention efficiencies are per kernel backend (`hexiseq.kernels`): the datasheet cost model
 prices attention at the efficiency of the kernel the runtime really calls on that device.

@@ -1,6 +1,6 @@
 """Clusters: nodes of GPUs and the links between them, read from YAML, a dict or a preset.
 
-The file format (DESIGN.md §2) is validated by pydantic models so that bad input gets one line
+The file format (docs/design.md §2) is validated by pydantic models so that bad input gets one line
 naming the file, the field and what is allowed; inside the program a `Cluster` is a frozen
 dataclass with one `Device` per global rank (ranks numbered node by node, in file order).
 """

@@ -1,4 +1,4 @@
-"""The CP–HP attention layout (DESIGN §3): who owns which tokens and which heads.
+"""The CP–HP attention layout (docs/design.md §3): who owns which tokens and which heads.
 
 Pure: stdlib and maths only. Builders return validated layouts; `AttentionLayout.validate()`
 raises `InputError` (a `ValueError`) with a one-line message naming what is broken.
@@ -26,7 +26,7 @@ Range = tuple[int, int]
 
 @dataclass(frozen=True)
 class AttentionLayout:
-    """Token and head ownership of every rank; see DESIGN §3 for the contract."""
+    """Token and head ownership of every rank; see docs/design.md §3 for the contract."""
 
     seq_len: int
     num_heads: int  # query heads
@@ -117,7 +117,7 @@ class AttentionLayout:
         return layout
 
     def validate(self) -> None:
-        """Check every rule of DESIGN §3; raises InputError naming the first broken one."""
+        """Check every rule of docs/design.md §3; raises InputError naming the first broken one."""
         check_sizes(self)
         check_groups(self.groups, self.world_size)
         check_token_ranges(self)
@@ -294,7 +294,7 @@ def build_zigzag_layout(
     *,
     chunk_quantum: int = 1,
 ) -> AttentionLayout:
-    """Generalized zigzag layout (DESIGN §3), validated.
+    """Generalized zigzag layout (docs/design.md §3), validated.
 
     The sequence is cut into 2G chunks: group g owns front chunk g and back chunk 2G-1-g, each
     segment_lengths[g] / 2 tokens, so its causal work is s_g * (S + 1) / 2 pairs. Inside group g,

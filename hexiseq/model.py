@@ -13,7 +13,7 @@ from hexiseq.errors import InputError
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU); contract fields of DESIGN.md §2."""
+    """A Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU); contract fields of docs/design.md §2."""
 
     name: str
     layers: int

@@ -1,6 +1,6 @@
 """Plans: a cluster, a model, a training spec, a CP-HP layout and what it is predicted to do.
 
-`Plan.to_json(path)` / `Plan.from_json(path)` round-trip exactly (DESIGN.md §4); the document
+`Plan.to_json(path)` / `Plan.from_json(path)` round-trip exactly (docs/design.md §4); the document
 carries a `schema_version`. An infeasible candidate (a baseline that runs out of memory, or one
 the homogeneous systems cannot express) is an `InfeasiblePlan` with the reason and the bytes
 each rank is missing.
@@ -117,7 +117,7 @@ class Prediction:
 
 @dataclass(frozen=True)
 class Plan:
-    """A complete, executable plan (contract, DESIGN.md §4)."""
+    """A complete, executable plan (contract, docs/design.md §4)."""
 
     name: str
     cluster: Cluster

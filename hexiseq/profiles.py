@@ -1,6 +1,6 @@
 """What a profiling sweep measures, as the profiler writes it and the cost-model fit reads it.
 
-One `ProfileMeasurement` is one microbenchmark point (DESIGN.md §5): an op family on one
+One `ProfileMeasurement` is one microbenchmark point (docs/design.md §5): an op family on one
 device type (compute) or one link class (communication), at one size, with its timing
 statistics and the identity of the hardware and software that produced it. The profiler
 (`hexiseq.profiler`) writes them to the store; `hexiseq.costmodel` fits regressions to them.

@@ -1,4 +1,4 @@
-"""Microbenchmarks on one device and on links, written to the store (DESIGN.md §5).
+"""Microbenchmarks on one device and on links, written to the store (docs/design.md §5).
 
 - Compute sweep (`run_compute_sweep`, CLI `hexiseq profile --device ...`): GEMMs of the linear
   layers, attention forward/backward with the runtime's own kernels, an elementwise

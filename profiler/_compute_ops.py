@@ -8,7 +8,7 @@ runtime falls back, and the failure is remembered for that dtype and head size. 
 that really ran is recorded in each measurement's `extra["kernel"]`.
 
 The calls are the ones `hexiseq.runtime.kernels` makes, written here because the profiler may
-not import the runtime (DESIGN.md §1); `tests/profiler/test_compute_kernels.py` holds the two
+not import the runtime (docs/design.md §1); `tests/profiler/test_compute_kernels.py` holds the two
 equal, output for output, on every kernel the machine can run (cuDNN's calls on meta tensors
 elsewhere). The backward is given the forward's output and fp32 log-sum-exp, as the runtime's
 ring backward is. Shapes as the runtime's tiles: q (1, H, L, D), k/v (1, H, S, D) (GQA

@@ -22,7 +22,7 @@ GRIDS_DIR = Path(__file__).parent / "grids"
 BUILTIN_GRIDS = ("full", "quick")
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DeviceKind = Literal["cpu", "cuda"]
-MIN_SAMPLES = 10  # DESIGN.md §5
+MIN_SAMPLES = 10  # docs/design.md §5
 DEFAULT_ROUNDS = 5  # rounds a point's samples are spread over (`TimingSpec.rounds`)
 
 
@@ -31,7 +31,7 @@ class _Strict(BaseModel):
 
 
 class TimingSpec(_Strict):
-    """How each point is timed (DESIGN.md §5)."""
+    """How each point is timed (docs/design.md §5)."""
 
     warmup_s: float = Field(0.1, ge=0.0)
     """Calls run untimed for at least this long before the samples (at least one call)."""

@@ -1,6 +1,6 @@
 """The points of a sweep, expanded from a grid, with their FLOPs and bytes (pure, no torch).
 
-Conventions (DESIGN.md §2, §5; `hexiseq.flops` cites the sources):
+Conventions (docs/design.md §2, §5; `hexiseq.flops` cites the sources):
 - gemm: 2·m·n·k FLOPs; bytes = (m·k + n·k + m·n) elements read or written once.
 - attention_fwd: 4·head_dim·pairs·heads FLOPs, pairs the exact count of computed (query, key)
   pairs (`hexiseq.profiles.attention_pairs`: causal blocks are square, diagonal included);

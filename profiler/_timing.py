@@ -1,4 +1,4 @@
-"""Timing one call the way DESIGN.md §5 asks: warm-up by time, then timed samples.
+"""Timing one call the way docs/design.md §5 asks: warm-up by time, then timed samples.
 
 CPU: `time.perf_counter` around the call (CPU ops return when done). CUDA: events recorded
 on the current stream around the call, read after `synchronize`, so launch overhead on the

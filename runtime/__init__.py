@@ -1,6 +1,6 @@
 """torch.distributed executor of a `Plan`: asymmetric Ulysses (HP) + ring attention (CP).
 
-`CPHPAttention(layout, group=None)(q, k, v, causal=True)` (DESIGN §8) runs attention on a
+`CPHPAttention(layout, group=None)(q, k, v, causal=True)` (docs/design.md §8) runs attention on a
 sequence sharded by an `AttentionLayout` over a process group (default: the world); gloo
 (CPU) and NCCL (GPU). Modules:
 

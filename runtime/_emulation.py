@@ -1,16 +1,15 @@
 """Emulated heterogeneity: a rank made k times slower by sleeping after its compute.
 
-A CPU test cluster gives a device `emulation_slowdown` k (DESIGN §2, cluster YAML). The rank
-then sleeps (k - 1) x the measured duration of each compute phase, right after it, instead of
-computing more: ranks that share a machine's cores do not compete for them, and the waiting
-peers see exactly the delay a slower device would cause. A compute phase is the forward or the
-backward of one parametrized leaf module (linear projections, norms, LM head), and each ring
-step's attention kernels inside `CPHPAttention` (`compute_phase`, around the block compute
-only: the hop posted before it keeps travelling while the rank sleeps, as it would while a
-slower device computes). Elementwise work in between (RoPE, SiLU, residuals) is not padded.
-Sleeps shorter than `MIN_SLEEP_S` are carried over, since `time.sleep` overshoots tiny
-requests; `flush()` pays what is left.
-"""
+A CPU test cluster gives a device `emulation_slowdown` k (docs/design.md §2, cluster YAML). The
+rank then sleeps (k - 1) x the measured duration of each compute phase, right after it, instead of
+computing more: ranks that share a machine's cores do not compete for them, and the waiting peers
+see exactly the delay a slower device would cause. A compute phase is the forward or the backward
+of one parametrized leaf module (linear projections, norms, LM head), and each ring step's
+attention kernels inside `CPHPAttention` (`compute_phase`, around the block compute only: the hop
+posted before it keeps travelling while the rank sleeps, as it would while a slower device
+computes). Elementwise work in between (RoPE, SiLU, residuals) is not padded. Sleeps shorter than
+`MIN_SLEEP_S` are carried over, since `time.sleep` overshoots tiny requests; `flush()` pays what is
+left."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`CPHPAttention`: attention over a sequence sharded by an asymmetric CP–HP layout (DESIGN §8).
+"""`CPHPAttention`: attention over a sequence sharded by an asymmetric CP–HP layout
+(docs/design.md §8).
 
 Sequence form in, sequence form out; inside, an uneven all-to-all per HP group (head form),
 ring attention across the groups, and the all-to-all back. Every check that can refuse a
@@ -20,7 +21,7 @@ from hexiseq.runtime._routes import build_rank_routes
 
 
 class CPHPAttention(torch.nn.Module):
-    """Context- and head-parallel attention for one `AttentionLayout` (contract, DESIGN §8)
+    """Context- and head-parallel attention for one `AttentionLayout` (contract, docs/design.md §8)
     over the ranks of `group` (None: the default process group): layout rank i is the
     group's rank i.
 

@@ -1,13 +1,12 @@
 """A Llama-style decoder for a `ModelSpec` whose attention runs on a sequence-sharded input.
 
 RMSNorm, rotary position embedding (RoPE) at each token's *global* position, grouped-query
-attention, SwiGLU MLP, tied or untied LM head (DESIGN §8). Every rank builds every parameter
-(initialized identically from a seed; `sharding` then splits the states) and a slice of the
-tokens: the ranges the
-`AttentionLayout` gives it, concatenated in order. Everything but attention is per token, so
-only the attention module needs the other ranks: `CPHPAttention(layout)` in a process group,
-or `LocalAttention()` (plain causal attention on one process holding the whole sequence in
-order) as the single-process reference.
+attention, SwiGLU MLP, tied or untied LM head (docs/design.md §8). Every rank builds every
+parameter (initialized identically from a seed; `sharding` then splits the states) and a slice of
+the tokens: the ranges the `AttentionLayout` gives it, concatenated in order. Everything but
+attention is per token, so only the attention module needs the other ranks: `CPHPAttention(layout)`
+in a process group, or `LocalAttention()` (plain causal attention on one process holding the whole
+sequence in order) as the single-process reference.
 
 Shapes carry suffixes: B batch, T tokens of this rank, H query heads, K K/V heads, D head size,
 E hidden size, V vocabulary.
@@ -144,7 +143,7 @@ class DecoderBlock(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Token ids of this rank -> next-token logits of this rank's tokens (DESIGN §8).
+    """Token ids of this rank -> next-token logits of this rank's tokens (docs/design.md §8).
 
     `attention` is called as `attention(q, k, v, causal=True)` in sequence-sharded form by
     every layer (`CPHPAttention` holds no parameters, so one instance serves all layers).

@@ -1,4 +1,4 @@
-"""Plan search (DESIGN.md §7): greedy global grouping and ring order (`greedy`), an exact
+"""Plan search (docs/design.md §7): greedy global grouping and ring order (`greedy`), an exact
 local stage for segments, token shares and state shares (`local_milp`), a screen that prices
 candidates without simulating them (`screen`), the short list (`shortlist`), the Optuna study
 loop (`optuna_layer`, `objective`, `workers`), the polish (`polish`), and the baselines every

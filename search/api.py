@@ -1,4 +1,4 @@
-"""`plan_search`: the programmatic entry point (contract, DESIGN.md §7)."""
+"""`plan_search`: the programmatic entry point (contract, docs/design.md §7)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`hexiseq.predict`: predict an existing plan again with the current simulator, memory model
-and cost model (DESIGN.md §4), e.g. a plan written by an earlier hexiseq, or one planned on the
-datasheet before the cluster was profiled.
+and cost model (docs/design.md §4), e.g. a plan written by an earlier hexiseq, or one planned on
+the datasheet before the cluster was profiled.
 
 The cost model is chosen as `hexiseq plan --cost-model` chooses it (`plan_cost_model` of
 `hexiseq._cli_fit`), from the store's newest fitted model; the plan is then simulated exactly

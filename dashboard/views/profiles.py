@@ -1,5 +1,5 @@
 """Profile views: microbenchmark measurements against the fitted cost model's curves, their
-residuals, and each fit's held-out error (DESIGN.md §6)."""
+residuals, and each fit's held-out error (docs/design.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tests of the GPU catalog (hexiseq/data/gpus.yaml, DESIGN.md §2)."""
+"""Tests of the GPU catalog (hexiseq/data/gpus.yaml, docs/design.md §2)."""
 
 from __future__ import annotations
 

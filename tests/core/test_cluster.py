@@ -1,4 +1,4 @@
-"""Tests of hexiseq.cluster: loading clusters from YAML, dicts and presets (DESIGN.md §2)."""
+"""Tests of hexiseq.cluster: loading clusters from YAML, dicts and presets (docs/design.md §2)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tier 0 tests for the CP–HP attention layout (DESIGN §3): pure logic, no process group."""
+"""Tier 0 tests for the CP–HP attention layout (docs/design.md §3): pure logic, no process
+group."""
 
 from __future__ import annotations
 

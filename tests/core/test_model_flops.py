@@ -1,4 +1,5 @@
-"""Tests of hexiseq.model (presets, validation) and hexiseq.flops (FLOP accounting, DESIGN §2).
+"""Tests of hexiseq.model (presets, validation) and hexiseq.flops (FLOP accounting,
+docs/design.md §2).
 
 The expected FLOPs are worked out by hand from each model's published shapes, written here as
 literal numbers, so that a slip in the library's formulas or in models.yaml shows up.

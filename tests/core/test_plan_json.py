@@ -101,7 +101,7 @@ def test_layout_validates_and_matches_the_assignments(result):
     for plan in _all_plans(result):
         layout = plan.layout()
         assert isinstance(layout, AttentionLayout)
-        layout.validate()  # raises on any broken rule of DESIGN §3
+        layout.validate()  # raises on any broken rule of docs/design.md §3
         assert layout.seq_len == plan.train.seq_len
         assert layout.num_heads == plan.model.heads
         assert layout.num_kv_heads == plan.model.kv_heads

@@ -1,6 +1,7 @@
-"""Secrets (DESIGN.md §9): the store URL comes from `--store`, else $HEXISEQ_STORE_URL, else the
-default, for every command; children get it in their environment, never their argv; no output,
-error or dashboard page shows a password; the dashboard opens only the operator's databases."""
+"""Secrets (docs/design.md §9): the store URL comes from `--store`, else $HEXISEQ_STORE_URL, else
+the default, for every command; children get it in their environment, never their argv; no
+output, error or dashboard page shows a password; the dashboard opens only the operator's
+databases."""
 
 from __future__ import annotations
 

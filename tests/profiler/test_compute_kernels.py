@@ -1,7 +1,7 @@
 """The profiler times the kernels the runtime runs: the same rule names them, and its calls
 give the runtime's outputs exactly, on every kernel this machine can run.
 
-The profiler may not import the runtime (DESIGN.md §1), so it makes the aten calls itself;
+The profiler may not import the runtime (docs/design.md §1), so it makes the aten calls itself;
 these tests (which may import everything) are what keeps the two from drifting apart.
 """
 

@@ -1,4 +1,5 @@
-"""Tier 0: the runtime's import rules (DESIGN §1): core and torch only; torch stays lazy."""
+"""Tier 0: the runtime's import rules (docs/design.md §1): core and torch only; torch stays
+lazy."""
 
 from __future__ import annotations
 
