@@ -67,6 +67,20 @@ def _add_problem_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--seq-len", required=True, metavar="TOKENS", help="tokens per sequence: 131072, 128k, 1M"
     )
+    plan.add_argument(
+        "--micro-batches",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="sequences per step, one after another (gradient accumulation; default 1)",
+    )
+    plan.add_argument(
+        "--precision",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="compute dtype the plan is for and `hexiseq run` computes in (auto: bf16 on GPUs, "
+        "fp32 on an all-CPU cluster); master weights and AdamW states are fp32 either way",
+    )
 
 
 def _add_output_arguments(plan: argparse.ArgumentParser) -> None:
@@ -201,7 +215,13 @@ def _search(
     checkpointing = _checkpointing(args)
     options = (False, True) if checkpointing is None else (checkpointing,)
     study_name = args.study_name or study_name_for(
-        cluster.name, model.name, seq_len, args.pareto, options
+        cluster.name,
+        model.name,
+        seq_len,
+        args.pareto,
+        options,
+        micro_batches=args.micro_batches,
+        precision=args.precision,
     )
     progress = search_progress(
         storage=args.storage,
@@ -225,6 +245,8 @@ def _search(
             activation_checkpointing=checkpointing,
             show_progress=progress.optuna_bar,
             cost_model=cost_model,
+            micro_batches=args.micro_batches,
+            precision=args.precision,
         )
 
 

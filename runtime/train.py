@@ -130,7 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         choices=("auto", "float32", "bfloat16"),
         default="auto",
         help="compute dtype (FP32 master weights, gradient reduction and AdamW states either "
-        "way); auto = bfloat16 on CUDA, float32 on CPU",
+        "way); auto = the plan's precision (`hexiseq plan --precision`)",
     )
     parser.add_argument(
         "--state-sharding",
@@ -207,7 +207,8 @@ def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
     rank = dist.get_rank()
     planned = plan.cluster.devices[rank]
     actual = torch.cuda.get_device_name(device) if use_cuda else "cpu"
-    dtype = options.dtype if options.dtype != "auto" else ("bfloat16" if use_cuda else "float32")
+    planned_dtype = "float32" if plan.train.compute_dtype_bytes == 4 else "bfloat16"
+    dtype = planned_dtype if options.dtype == "auto" else options.dtype
     return RankContext(
         rank=rank,
         world_size=dist.get_world_size(),
@@ -325,9 +326,10 @@ def open_run(
 
 def record_run(store: Store, plan: Plan, options: TrainOptions, context: RankContext) -> int:
     """The run's row, with the plan as run: its train spec names the recipe that ran
-    (`sharded`, or `autocast` for `--state-sharding replicated`)."""
+    (`sharded`, or `autocast` for `--state-sharding replicated`) and the compute dtype."""
     recipe = "sharded" if options.state_sharding == "sharded" else "autocast"
-    ran = dataclasses.replace(plan.train, runtime_recipe=recipe)
+    dtype_bytes = torch.finfo(context.compute_dtype).bits // 8
+    ran = dataclasses.replace(plan.train, runtime_recipe=recipe, compute_dtype_bytes=dtype_bytes)
     plan_json = dataclasses.replace(plan, train=ran).to_json_text()
     return store.save_runtime_run(
         plan_json,

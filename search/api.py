@@ -79,6 +79,8 @@ def plan_search(
     cost_model: CostModel | None = None,
     activation_checkpointing: bool | None = None,
     study_name: str | None = None,
+    micro_batches: int = 1,
+    precision: str = "auto",
     show_progress: bool = False,
 ) -> SearchResult:
     """Find the fastest plan that fits in memory, and score the baselines the same way.
@@ -101,6 +103,8 @@ def plan_search(
         "cost_model": cost_model,
         "activation_checkpointing": activation_checkpointing,
         "study_name": study_name,
+        "micro_batches": micro_batches,
+        "precision": precision,
         "show_progress": show_progress,
     }
     if options is None:
@@ -122,7 +126,7 @@ def search(
     problem = Problem(
         cluster=cluster_spec,
         model=_model(model),
-        train=_train_spec(cluster_spec, seq_len_tokens),
+        train=train_spec(cluster_spec, seq_len_tokens, options),
         cost=options.cost_model or DatasheetCostModel(),
         checkpointing_options=options.checkpointing_options,
     )
@@ -184,11 +188,19 @@ def _seq_len(cluster: Cluster, tokens: int) -> int:
     return tokens
 
 
-def _train_spec(cluster: Cluster, seq_len: int) -> TrainSpec:
-    """BF16 compute on GPUs; FP32 on an all-CPU (test or emulated) cluster, as the runtime
-    computes there, so the simulator counts the bytes the runtime moves."""
-    all_cpu = all(device.gpu == "cpu" for device in cluster.devices)
-    return TrainSpec(seq_len=seq_len, compute_dtype_bytes=4 if all_cpu else 2)
+def train_spec(cluster: Cluster, seq_len: int, options: SearchOptions) -> TrainSpec:
+    """The step the plan is for: `options.micro_batches` sequences of `seq_len` tokens, in
+    the chosen precision; "auto" is BF16 on GPUs and FP32 on an all-CPU (test or emulated)
+    cluster, as the runtime computes there, so the simulator counts the bytes it moves."""
+    precision = options.precision
+    if precision == "auto":
+        all_cpu = all(device.gpu == "cpu" for device in cluster.devices)
+        precision = "fp32" if all_cpu else "bf16"
+    return TrainSpec(
+        seq_len=seq_len,
+        micro_batches=options.micro_batches,
+        compute_dtype_bytes=4 if precision == "fp32" else 2,
+    )
 
 
 def _closest_missing(candidates: list) -> dict[int, int]:

@@ -15,6 +15,7 @@ from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import RING_ORDERS, GlobalChoices, candidate_hp_degrees, chunk_quantum
 from hexiseq.search.hierarchy import plan_for_choices
+from hexiseq.search.options import SearchOptions
 from hexiseq.store import display_url, mask_url_passwords, retry_schema_race
 
 INFEASIBLE_SCORE = 0.0
@@ -187,14 +188,61 @@ def check_search_space(study, problem: Problem) -> None:
             )
 
 
-def default_study_name(problem: Problem, multi_objective: bool) -> str:
+TRAIN_ATTR = "hexiseq_train"
+"""The study's user attribute holding the step its trials were scored for."""
+
+
+def check_train_spec(study, problem: Problem) -> None:
+    """Record the step (tokens, micro-batches, precision) a study's trials are scored for, and
+    refuse to go on with a study scored for another: its stored scores would be read back as
+    if they were this step's."""
+    wanted = {
+        "seq_len": problem.train.seq_len,
+        "micro_batches": problem.train.micro_batches,
+        "compute_dtype_bytes": problem.train.compute_dtype_bytes,
+    }
+    stored = study.user_attrs.get(TRAIN_ATTR)
+    if stored is None:
+        if any(trial.params for trial in study.trials) and (
+            wanted["micro_batches"] != 1 or _step_before_records(problem) != wanted
+        ):
+            raise InputError(
+                f"study {study.study_name!r} was scored before hexiseq recorded the step's "
+                "micro-batches and precision; use another storage or study name (`hexiseq plan "
+                "--study-name`, `plan_search(study_name=...)`)"
+            )
+        study.set_user_attr(TRAIN_ATTR, wanted)
+        return
+    if stored != wanted:
+        differing = ", ".join(f"{k} {stored.get(k)} (now {v})" for k, v in wanted.items()
+                              if stored.get(k) != v)  # fmt: skip
+        raise InputError(
+            f"study {study.study_name!r} was scored for another step ({differing}); use another "
+            "storage or study name (`hexiseq plan --study-name`, `plan_search(study_name=...)`)"
+        )
+
+
+def _step_before_records(problem: Problem) -> dict:
+    """The step a study from before `TRAIN_ATTR` was scored for: one sequence, the cluster's
+    default precision."""
+    all_cpu = all(device.gpu == "cpu" for device in problem.cluster.devices)
+    return {
+        "seq_len": problem.train.seq_len,
+        "micro_batches": 1,
+        "compute_dtype_bytes": 4 if all_cpu else 2,
+    }
+
+
+def default_study_name(problem: Problem, options: SearchOptions) -> str:
     """The name of a search's study when `study_name` is not given (`study_name_for`)."""
     return study_name_for(
         problem.cluster.name,
         problem.model.name,
         problem.train.seq_len,
-        multi_objective,
+        options.multi_objective,
         problem.checkpointing_options,
+        micro_batches=options.micro_batches,
+        precision=options.precision,
     )
 
 
@@ -204,12 +252,20 @@ def study_name_for(
     seq_len: int,
     multi_objective: bool,
     checkpointing_options: tuple[bool, ...],
+    *,
+    micro_batches: int = 1,
+    precision: str = "auto",
 ) -> str:
     """cluster/model/tokens/kind, with the checkpointing setting where it is forced (a
-    forced search is another search space): the default study name, which `hexiseq plan`
-    also needs before the search starts (its progress bar reads the stored study)."""
+    forced search is another search space), the micro-batches where more than one and the
+    precision where chosen: the default study name, which `hexiseq plan` also needs before
+    the search starts (its progress bar reads the stored study)."""
     kind = "pareto" if multi_objective else "throughput"
     name = f"{cluster_name}/{model_name}/{seq_len}/{kind}"
     if len(checkpointing_options) == 1:
         name += "/checkpointing-" + ("on" if checkpointing_options[0] else "off")
+    if micro_batches != 1:
+        name += f"/{micro_batches}-micro-batches"
+    if precision != "auto":
+        name += f"/{precision}"
     return name

@@ -8,7 +8,7 @@ is allowed.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -18,6 +18,11 @@ from hexiseq.store import parse_database_url
 STORAGE_URLS = (
     "give a SQLAlchemy URL such as sqlite:///optuna.db or postgresql://USER:PASSWORD@HOST/DB"
 )
+
+
+MAX_MICRO_BATCHES = 65536
+"""Most sequences per step a plan may take one after another."""
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 class SearchOptions(BaseModel):
@@ -32,6 +37,10 @@ class SearchOptions(BaseModel):
     - `cost_model`: the cost model to plan with (default: the datasheet model).
     - `activation_checkpointing`: None lets the search drop the recompute wherever memory
       allows; True or False forces it.
+    - `micro_batches`: sequences per step, one after another (gradient accumulation).
+    - `precision`: the compute dtype the plan is for and `hexiseq run` computes in: "bf16",
+      "fp32", or "auto" (bf16 on GPUs, fp32 on an all-CPU cluster, as the runtime runs there);
+      master weights, gradients and AdamW states are FP32 either way.
     - `show_progress`: Optuna's progress bar.
     """
 
@@ -48,6 +57,8 @@ class SearchOptions(BaseModel):
     cost_model: Any = None
     activation_checkpointing: bool | None = None
     study_name: str | None = Field(default=None, min_length=1)
+    micro_batches: int = Field(default=1, ge=1, le=MAX_MICRO_BATCHES)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     show_progress: bool = False
 
     @model_validator(mode="after")

@@ -28,6 +28,7 @@ from hexiseq.search.objective import (
     INFEASIBLE_SCORE,
     Objective,
     check_search_space,
+    check_train_spec,
     choices_from_params,
     create_study,
     default_study_name,
@@ -76,9 +77,10 @@ def run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
     """
     optuna.logging.set_verbosity(logging.WARNING)
     objective = Objective(problem, options.multi_objective)
-    name = options.study_name or default_study_name(problem, options.multi_objective)
+    name = options.study_name or default_study_name(problem, options)
     study = create_study(options.storage, name, options.seed, options.multi_objective)
     check_search_space(study, problem)
+    check_train_spec(study, problem)
     started, scored_here = time.perf_counter(), 0
     if not study.trials:  # a new study starts from the short list
         # Scored here, before any worker starts: workers sharing a SQLite study could both
