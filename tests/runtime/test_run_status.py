@@ -127,27 +127,28 @@ def test_ranks_killed_mid_run_leave_it_failed_with_why(tmp_path):
     plan = plan_search(cluster, ModelSpec.preset("tiny"), 64, seed=0).best
     plan.to_json(tmp_path / "plan.json")
     database = tmp_path / "runs.db"
-    launcher = subprocess.Popen(
+    with subprocess.Popen(  # leaving the block closes its stderr pipe
         [sys.executable, "-m", "hexiseq.cli", "run", "--plan", str(tmp_path / "plan.json"),
          "--steps", "100000", "--store", f"sqlite:///{database}", "--device", "cpu"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # so that its whole tree can be stopped if the test fails
-    )  # fmt: skip
-    try:
-        _wait_for_measured_step(database, timeout_s=120)
-        ranks = _rank_processes(launcher.pid)
-        assert len(ranks) == 2
-        for pid in ranks:
-            os.kill(pid, signal.SIGKILL)
-        code = launcher.wait(timeout=120)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
+    ) as launcher:  # fmt: skip
+        try:
+            _wait_for_measured_step(database, timeout_s=120)
+            ranks = _rank_processes(launcher.pid)
+            assert len(ranks) == 2
+            for pid in ranks:
+                os.kill(pid, signal.SIGKILL)
+            code = launcher.wait(timeout=120)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+        stderr_tail = launcher.stderr.read()[-2000:]
     assert code != 0
     with Store.open(f"sqlite:///{database}") as store:
         (run,) = store.list_runtime_runs()
-    assert run["status"] == "failed", launcher.stderr.read()[-2000:]
+    assert run["status"] == "failed", stderr_tail
     assert run["failure"].startswith(f"torchrun exited with code {code}")
