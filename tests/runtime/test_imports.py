@@ -1,5 +1,5 @@
-"""Tier 0: the runtime's import rules (docs/design.md §1): core and torch only; torch stays
-lazy."""
+"""Tier 0: the runtime's import rules (docs/design.md §1): core and torch only (transformers in
+the Hugging Face adapter, when it is applied); torch stays lazy."""
 
 from __future__ import annotations
 
@@ -30,9 +30,15 @@ def test_runtime_imports_only_the_core_and_torch():
         for name in imported_modules(path):
             assert not name.startswith(FORBIDDEN), f"{path.name} imports {name}"
             top = name.split(".")[0]
-            assert top in {"hexiseq", "torch", "__future__"} or top in sys.stdlib_module_names, (
-                f"{path.name} imports {name}"
+            allowed = {"hexiseq", "torch", "__future__"} | (
+                {"transformers"} if path.name == "hf.py" else set()
             )
+            assert top in allowed or top in sys.stdlib_module_names, f"{path.name} imports {name}"
+
+
+def test_the_hugging_face_adapter_imports_transformers_only_when_applied():
+    code = "import sys, hexiseq.runtime.hf; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_import_hexiseq_does_not_import_torch_but_exports_cphpattention_lazily():
