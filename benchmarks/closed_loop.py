@@ -15,7 +15,7 @@ whose compute is padded to 2x by sleeping; labelled as emulation everywhere):
    times each rank's slowdown, as for every emulated device; the 2x fit is reported as a
    check of the emulation);
 3. plan with hexiseq and take the best uniform baseline, both under the fitted model;
-4. run both with the runtime (`hexiseq run`, 4 gloo ranks, FSDP2 states);
+4. run both with the runtime (`hexiseq run`, 4 gloo ranks, states sharded as planned);
 5. report predicted vs measured step time for each and the measured speedup.
 
 Goals (issue 5): |predicted - measured| / measured <= 10 %; measured speedup >= 1.3x.

@@ -1,12 +1,12 @@
 """Calibrating the memory model against measured peaks (`hexiseq run` records each rank's).
 
 A point is one rank of one runtime run: the memory model's peak for that rank without its
-reserve (`dynamic`: states, buffers, checkpoints and the working set), and the peak the
-runtime measured (the largest over the run's steps). The modelled peak is recomputed from
-the plan's cluster, model, training spec and layout, uncalibrated and with model states
-sharded evenly as the runtime's FSDP2 shards them, not read from the plan's prediction: a
-plan made with a calibrated model carries calibrated peaks, which must not be calibrated
-again. Per (device type, memory measure):
+reserve (`dynamic`: states, buffers, checkpoints and the working set), and the peak the runtime
+measured (the largest over the run's steps). The modelled peak is recomputed from the plan's
+cluster, model, training spec, layout and the state shares the run held (the plan's, for runs
+of the sharded runtime; even for the FSDP2 runs before it), uncalibrated, not read from the
+plan's prediction: a plan made with a calibrated model carries calibrated peaks, which must not
+be calibrated again. Per (device type, memory measure):
 
     measured ≈ reserve + scale x dynamic,   reserve, scale >= 0,
 
@@ -61,6 +61,18 @@ class MemoryPoint:
         return self.dynamic_bytes + self.modelled_reserve_bytes
 
 
+def _run_state_fractions(plan, source: RuntimeSource) -> list[float] | None:
+    """The model-state shares a run held: the plan's own where the run recorded the sharded
+    recipe (the runtime has sharded in the plan's fractions since it records its recipe);
+    None (even) for runs from before, whose FSDP2 split the states evenly."""
+    import json
+
+    recorded = json.loads(source.plan_json).get("train", {}).get("runtime_recipe")
+    if recorded != "sharded":
+        return None
+    return [assignment.state_fraction for assignment in plan.assignments]
+
+
 def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
     """One point per measured rank of every run whose plan this version can read."""
     from hexiseq.errors import HexiseqError
@@ -72,7 +84,9 @@ def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
             plan = Plan.from_run_json_text(source.plan_json, f"runtime run {source.run_id}")
         except HexiseqError:
             continue  # a plan this version cannot read: its run calibrates nothing
-        modelled = estimate_memory(plan.cluster, plan.model, plan.train, plan.layout())
+        modelled = estimate_memory(
+            plan.cluster, plan.model, plan.train, plan.layout(), _run_state_fractions(plan, source)
+        )
         for rank, measure, peak_bytes in source.peaks:
             if rank >= len(modelled) or peak_bytes <= 0:
                 continue

@@ -192,7 +192,7 @@ def block_activation_casts_per_token(
 def weight_casts_per_layer(dtypes: RuntimeDtypes, *, backward: bool) -> Work:
     """Per matmul weight of a block, bytes of its casts: each use under autocast (forward,
     and the recompute under checkpointing) reads fp32 and writes bf16, the backward turns the
-    bf16 weight gradient into fp32; with FSDP2 the shard's cast before the gather and the
+    bf16 weight gradient into fp32; with sharded states the shard's cast before the gather and the
     gradient's before the fp32 reduce-scatter (`_step_parts._cast_params` counts which).
     Multiply by the block's matmul parameters (7 kernels a pass)."""
     if dtypes.compute == MASTER_BYTES:

@@ -166,3 +166,33 @@ def test_runs_of_calibrated_plans_are_not_calibrated_twice(plans) -> None:
     ]
     refit = fit_cost_model([], runtime_runs=again).memory[0]
     assert refit.scale == pytest.approx(SCALE, rel=1e-3)
+
+
+def test_a_run_of_uneven_state_shares_is_modelled_with_those_shares():
+    """The sharded runtime holds the plan's state fractions, even or not: the points of its
+    runs model each rank with its own share (a run of the former FSDP2 runtime: even)."""
+    import dataclasses
+    import json
+
+    plan = plan_search(CLUSTER, ModelSpec.preset("small"), 4096).best
+    peaks = [(0, "cpu_max_rss", 10**9), (1, "cpu_max_rss", 10**9)]
+
+    def run_of(fractions, recorded=True):
+        assignments = tuple(
+            dataclasses.replace(a, state_fraction=f) for a, f in zip(plan.assignments, fractions)
+        )
+        document = json.loads(dataclasses.replace(plan, assignments=assignments).to_json_text())
+        assert document["train"]["runtime_recipe"] == "sharded"
+        if not recorded:  # a run from before the runtime recorded its recipe
+            del document["train"]["runtime_recipe"]
+        return memory_points([RuntimeSource(1, json.dumps(document), peaks)])
+
+    big, small = run_of((0.8, 0.2))
+    near_big, near_small = run_of((0.6, 0.4))
+    gap, near_gap = (
+        big.dynamic_bytes - small.dynamic_bytes,
+        near_big.dynamic_bytes - (near_small.dynamic_bytes),
+    )
+    assert near_gap > 0 and gap / near_gap == pytest.approx(3.0, rel=0.02)  # 0.6 / 0.2 of states
+    even_big, even_small = run_of((0.8, 0.2), recorded=False)
+    assert even_big.dynamic_bytes == even_small.dynamic_bytes
