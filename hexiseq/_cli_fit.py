@@ -57,7 +57,7 @@ def run_fit(args: argparse.Namespace) -> int:
     from hexiseq.costmodel import FittedCostModel, format_heldout_table
     from hexiseq.store import Store
 
-    with Store.open(args.store) as store:
+    with Store.open(args.store, create=False) as store:
         document = fit_store_profiles(store)
         model = FittedCostModel(document)
         fitted_id = store.save_fitted_model(model.to_json())
@@ -165,7 +165,7 @@ def plan_cost_model(args: argparse.Namespace, store: Store | None) -> CostModel 
     if store is None:
         from hexiseq.store import Store
 
-        with Store.open(args.store) as own_store:
+        with Store.open(args.store, create=False) as own_store:
             return _latest_fitted(own_store, required=True)
     return _latest_fitted(store, required=args.cost_model == "fitted")
 

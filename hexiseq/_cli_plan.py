@@ -21,7 +21,7 @@ from hexiseq._cli_output import (
     human_stream,
     print_json,
 )
-from hexiseq._cli_types import positive_float, positive_int
+from hexiseq._cli_types import positive_float, positive_int, seed
 from hexiseq.cluster import cluster_presets
 from hexiseq.errors import InputError
 from hexiseq.model import model_presets
@@ -116,7 +116,7 @@ def _add_search_arguments(plan: argparse.ArgumentParser) -> None:
         help="trials in this run, a new study's greedy short list included (deterministic "
         "for a given --seed)",
     )
-    plan.add_argument("--seed", type=int, default=0, help="sampler seed (default 0)")
+    plan.add_argument("--seed", type=seed, default=0, help="sampler seed, 0..2**32-1 (default 0)")
     plan.add_argument(
         "--storage",
         metavar="URL",

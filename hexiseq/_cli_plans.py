@@ -9,12 +9,10 @@ Reading never creates a store: a SQLite file that does not exist is an error.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hexiseq._cli_output import STDOUT, add_json_argument, print_json
 from hexiseq._cli_types import positive_int
-from hexiseq.errors import InputError
 from hexiseq.store import STORE_URL_HELP
 
 if TYPE_CHECKING:
@@ -88,19 +86,11 @@ def run_plans(args: argparse.Namespace) -> int:
 
 
 def open_existing_store(url: str) -> Store:
-    """`Store.open(url)`, but a SQLite file that does not exist is an InputError: reading
-    plans should not leave an empty store behind."""
-    from hexiseq.store import Store, display_url, parse_database_url
+    """The store to read plans from; a SQLite file that does not exist is an InputError:
+    reading plans should not leave an empty store behind."""
+    from hexiseq.store import Store
 
-    parsed = parse_database_url(url, "store URL", "give a SQLAlchemy URL such as sqlite:///X.db")
-    database = parsed.database or ""
-    on_disk = parsed.get_backend_name() == "sqlite" and database not in ("", ":memory:")
-    if on_disk and not database.startswith("file:") and not Path(database).exists():
-        raise InputError(
-            f"store {display_url(parsed)} does not exist (no plan saved there yet); give "
-            "--store or $HEXISEQ_STORE_URL the store `hexiseq plan` saved to"
-        )
-    return Store.open(url)
+    return Store.open(url, create=False)
 
 
 def _load_plan(store: Store, plan_id: int) -> Plan:

@@ -25,3 +25,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1 (got {text})")
     return value
+
+
+MAX_SEED = 2**32 - 1
+
+
+def seed(text: str) -> int:
+    """A seed: a whole number in 0..2**32-1 (what numpy and torch generators take)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in 0..{MAX_SEED} (got {text})")
+    return value

@@ -26,6 +26,10 @@ def read_yaml_file(path: str | Path, what: str) -> Any:
         ) from None
     try:
         return yaml.safe_load(text)
+    except RecursionError:
+        raise InputError(
+            f"{what} file {path}: nested too deeply (or an alias that refers to itself)"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -28,7 +28,7 @@ from hexiseq._cli_plans import add_plans_parser, run_plans
 from hexiseq._cli_predict import add_predict_parser, run_predict
 from hexiseq._cli_profile import add_profile_parser, run_profile
 from hexiseq._cli_torch import require_torch
-from hexiseq._cli_types import positive_int
+from hexiseq._cli_types import positive_int, seed
 from hexiseq.errors import HexiseqError, InfeasibleError
 from hexiseq.store import (
     DEFAULT_STORE_URL,
@@ -100,7 +100,9 @@ def _add_run_parser(commands) -> None:
         "get it through their environment, never their command line",
     )
     run.add_argument("--no-store", action="store_true", help="record nothing")
-    run.add_argument("--seed", type=int, default=0, help="parameter and token seed (default 0)")
+    run.add_argument(
+        "--seed", type=seed, default=0, help="parameter and token seed, 0..2**32-1 (default 0)"
+    )
     run.add_argument(
         "--device",
         choices=("auto", "cpu", "cuda"),

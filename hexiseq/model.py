@@ -10,6 +10,9 @@ from typing import Any
 from hexiseq._yaml import read_packaged_yaml
 from hexiseq.errors import InputError
 
+MAX_MODEL_DIMENSION = 2**24
+"""Largest layer count, width, head count or vocabulary a model may have (16,777,216)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
@@ -42,8 +45,21 @@ class ModelSpec:
             "ffn_hidden",
             "vocab",
         ):
-            if getattr(self, field_name) <= 0:
-                raise InputError(f"model {self.name}: {field_name} must be positive")
+            value = getattr(self, field_name)
+            if type(value) is not int or not 1 <= value <= MAX_MODEL_DIMENSION:
+                raise InputError(
+                    f"model {self.name}: {field_name} must be a whole number in "
+                    f"1..{MAX_MODEL_DIMENSION} (got {value!r})"
+                )
+        if not isinstance(self.name, str) or not self.name:
+            raise InputError(f"model name must be a non-empty string (got {self.name!r})")
+        if not isinstance(self.source, str):
+            raise InputError(f"model {self.name}: source must be a string (got {self.source!r})")
+        if type(self.tied_embeddings) is not bool:
+            raise InputError(
+                f"model {self.name}: tied_embeddings must be true or false "
+                f"(got {self.tied_embeddings!r})"
+            )
         for field_name in ("rope_theta", "norm_eps"):
             value = getattr(self, field_name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

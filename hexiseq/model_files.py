@@ -24,13 +24,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hexiseq._yaml import format_validation_error, read_yaml_file
 from hexiseq.errors import InputError
-from hexiseq.model import ModelSpec, model_presets
+from hexiseq.model import MAX_MODEL_DIMENSION, ModelSpec, model_presets
 
 __all__ = ["LLAMA_STYLE_TYPES", "load_model", "model_from_hf_config"]
 
 LLAMA_STYLE_TYPES = ("llama", "qwen2", "mistral")
 """`model_type`s of Llama-style decoders (RMSNorm, RoPE, GQA, SwiGLU)."""
-_MAX_DIMENSION = 2**24
+_MAX_DIMENSION = MAX_MODEL_DIMENSION
 """Largest layer count, width, head count or vocabulary accepted (16,777,216)."""
 _MAX_CONFIG_BYTES = 2**20
 

@@ -26,6 +26,18 @@ PLAN_SCHEMA_VERSION = 2
 """The plan document version `to_json` writes. 2 added time parts to `predicted.ranks` and
 renamed memory terms."""
 READABLE_PLAN_SCHEMA_VERSIONS = (1, 2)
+PLAN_KEYS = (
+    "schema_version",
+    "name",
+    "cluster",
+    "model",
+    "train",
+    "layout",
+    "assignments",
+    "knobs",
+    "predicted",
+)
+"""The keys of a plan document (`Plan.to_dict`); others are refused on reading."""
 """Versions `from_json` reads: a version-1 document's ranks lack the parts version 2 added,
 which then take their defaults (0.0 s); everything else is the same."""
 
@@ -183,6 +195,12 @@ class Plan:
             raise InputError(
                 f"{source}: schema_version {version!r} is not supported; this hexiseq reads "
                 f"versions {readable}"
+            )
+        unknown = sorted(set(document) - set(PLAN_KEYS))
+        if unknown:
+            raise InputError(
+                f"{source}: unknown key(s) {', '.join(map(str, unknown))}; a plan has "
+                f"{', '.join(PLAN_KEYS)}"
             )
         try:
             plan = _plan_from_dict(document, source)

@@ -185,11 +185,13 @@ class Store(RuntimeTables, ProfileTables):
         self._open_transaction = threading.local()
 
     @classmethod
-    def open(cls, url: str | None = None) -> Store:
+    def open(cls, url: str | None = None, *, create: bool = True) -> Store:
         """Open the store at `url` (None: $HEXISEQ_STORE_URL, else `DEFAULT_STORE_URL`),
         creating missing tables.
 
-        For a SQLite file the parent directory is created if missing.
+        For a SQLite file the parent directory is created if missing; with `create=False`
+        (a command that only reads) a SQLite file that does not exist is an InputError
+        instead, so that a mistyped path leaves no empty store behind.
         Raises InputError (one line naming the URL and what is allowed) when the URL cannot be
         parsed, names an unsupported dialect or a driver that is not installed, cannot be opened,
         is not a hexiseq store, or holds a schema_version newer than this code knows. No
@@ -197,6 +199,8 @@ class Store(RuntimeTables, ProfileTables):
         """
         parsed_url = _parse_store_url(store_url_from(url))
         shown_url = display_url(parsed_url)
+        if not create:
+            _refuse_missing_sqlite_file(parsed_url, shown_url)
         engine = _create_store_engine(parsed_url, shown_url)
         try:
             _prepare_schema(engine, shown_url)
@@ -395,6 +399,16 @@ def _create_store_engine(parsed_url: URL, shown_url: str) -> Engine:
         ) from None
     except (SQLAlchemyError, TypeError, ValueError) as error:
         raise InputError(f"store URL {shown_url!r} is not usable: {_one_line(error)}") from None
+
+
+def _refuse_missing_sqlite_file(parsed_url: URL, shown_url: str) -> None:
+    database = parsed_url.database or ""
+    on_disk = parsed_url.get_backend_name() == "sqlite" and not _in_memory(parsed_url)
+    if on_disk and not database.startswith("file:") and not Path(database).is_file():
+        raise InputError(
+            f"store {shown_url}: no such SQLite file {database}; give the store the data was "
+            "saved to (--store or $HEXISEQ_STORE_URL)"
+        )
 
 
 def _make_sqlite_parent_directory(parsed_url: URL, shown_url: str) -> None:

@@ -14,14 +14,13 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from hexiseq._cli_fit import COST_MODEL_CHOICES, plan_cost_model
 from hexiseq.costmodel import CostModel, DatasheetCostModel, simulate_step
 from hexiseq.errors import InputError
 from hexiseq.plan import Plan, Prediction
 from hexiseq.search._evaluate import plan_prediction
-from hexiseq.store import STORE_URL_ENV, Store, display_url
+from hexiseq.store import STORE_URL_ENV, Store
 
 _COST_MODEL_METHODS = ("label", "gemm_time_s", "attention_time_s", "transfer_time_s")
 _SQLITE_FILE_URL = re.compile(r"^sqlite(\+\w+)?:///([^?]+)")
@@ -111,18 +110,5 @@ def open_prediction_store(store: str | Store | None) -> Iterator[Store | None]:
         return
     if not isinstance(url, str):
         raise InputError(f"store: expected a URL or a Store, got {type(url).__name__}")
-    _check_sqlite_file_exists(url)
-    with Store.open(url) as opened:
+    with Store.open(url, create=False) as opened:
         yield opened
-
-
-def _check_sqlite_file_exists(url: str) -> None:
-    match = _SQLITE_FILE_URL.match(url)
-    if match is None or match.group(2) == ":memory:":
-        return
-    path = Path(match.group(2))
-    if not path.is_file():
-        raise InputError(
-            f"store {display_url(url)}: no such SQLite file {path}; give the store that holds "
-            "the fitted model (`hexiseq fit --store URL` makes one)"
-        )

@@ -221,7 +221,7 @@ def test_plans_unknown_id_and_missing_store_are_one_line(planned, tmp_path):
     assert_one_line(run_main(["plans", "show", "x", *store]), r"'x' is not a plan id")
     missing = tmp_path / "none.db"
     run = run_main(["plans", "list", "--store", f"sqlite:///{missing}"])
-    assert_one_line(run, r"store sqlite:///.*none\.db does not exist")
+    assert_one_line(run, r"store sqlite:///.*none\.db: no such SQLite file")
     assert not missing.exists()  # reading created no empty store
 
 

@@ -109,9 +109,9 @@ def test_kv_heads_must_divide_heads(heads, kv_heads):
 @pytest.mark.parametrize(
     "field_name", ["layers", "hidden", "heads", "kv_heads", "head_dim", "ffn_hidden", "vocab"]
 )
-@pytest.mark.parametrize("value", [0, -4])
-def test_shape_fields_must_be_positive(field_name, value):
-    with pytest.raises(InputError, match=rf"model m: {field_name} must be positive"):
+@pytest.mark.parametrize("value", [0, -4, 2.5, 1e300, "8", True, 2**24 + 1])
+def test_shape_fields_must_be_positive_whole_numbers(field_name, value):
+    with pytest.raises(InputError, match=rf"model m: {field_name} must be a whole number in"):
         _spec(**{field_name: value})
 
 

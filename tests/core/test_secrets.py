@@ -64,7 +64,8 @@ def test_store_open_without_url_reads_the_environment(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("where", ["argument", "environment", "neither"])
 def test_every_command_takes_the_store_from_the_environment(where, monkeypatch, tmp_path):
-    """`fit` on an empty store names the store it opened in its one error line."""
+    """`fit` on a store that does not exist names the store it looked for in its one error
+    line (and creates none)."""
     monkeypatch.chdir(tmp_path)
     given, from_env = f"sqlite:///{tmp_path / 'given.db'}", f"sqlite:///{tmp_path / 'env.db'}"
     argv = ["fit"]
@@ -74,7 +75,8 @@ def test_every_command_takes_the_store_from_the_environment(where, monkeypatch, 
         monkeypatch.setenv(STORE_URL_ENV, from_env)
     expected = {"argument": given, "environment": from_env, "neither": DEFAULT_STORE_URL}[where]
     run = run_main(argv)
-    assert run.code == 2 and f"store {expected} holds no profile measurements" in run.stderr
+    assert run.code == 2 and f"store {expected}: no such SQLite file" in run.stderr
+    assert not list(tmp_path.glob("*.db"))
 
 
 @pytest.mark.parametrize(

@@ -95,8 +95,11 @@ def test_plan_with_an_empty_store_is_the_datasheet_plan(tmp_path):
 
 def test_plan_cost_model_fitted_without_a_fitted_model_is_one_line(tmp_path):
     url = f"sqlite:///{tmp_path / 'empty.db'}"
-    result = run_main([*PLAN_ARGS, "--store", url, "--cost-model", "fitted", "--no-store"])
-    assert_one_line_error(result, r"holds no fitted model; run `hexiseq fit --store")
+    argv = [*PLAN_ARGS, "--store", url, "--cost-model", "fitted", "--no-store"]
+    assert_one_line_error(run_main(argv), r"empty.db: no such SQLite file")
+    assert not (tmp_path / "empty.db").exists()  # reading made no empty store
+    Store.open(url).close()
+    assert_one_line_error(run_main(argv), r"holds no fitted model; run `hexiseq fit --store")
 
 
 def test_a_corrupt_stored_model_is_one_line(tmp_path):
