@@ -250,7 +250,9 @@ def run_steps(
     optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
     padding = ComputePadding(model, context.slowdown)
     positions = token_positions(plan.layout(), context.rank).to(context.device)
+    launcher_pid = os.getppid()
     for step in range(options.steps):
+        check_launcher(launcher_pid)
         measurement = measure_step(
             plan, options, context, model, optimizer, padding, positions, step, sharded
         )
@@ -260,6 +262,17 @@ def run_steps(
             store.add_runtime_measurements(run_id, rows)
         if context.rank == 0:
             print(describe_step(rows), flush=True)
+
+
+def check_launcher(launcher_pid: int) -> None:
+    """Stop this rank when the process that started it (torchrun's agent) is gone: a launcher
+    killed outright (SIGKILL) cannot stop its ranks, which would otherwise train on, orphaned,
+    until their last step. Rank 0 then records the run failed with this reason."""
+    if os.getppid() != launcher_pid:
+        raise RuntimeError(
+            f"the launcher (pid {launcher_pid}) died; this rank stops instead of training on "
+            "orphaned"
+        )
 
 
 def end_run(store: Store | None, run_id: int | None, status: str, failure: str | None = None):

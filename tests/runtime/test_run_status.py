@@ -4,6 +4,7 @@ records that for them)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sqlite3
@@ -152,3 +153,47 @@ def test_ranks_killed_mid_run_leave_it_failed_with_why(tmp_path):
         (run,) = store.list_runtime_runs()
     assert run["status"] == "failed", stderr_tail
     assert run["failure"].startswith(f"torchrun exited with code {code}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.multiproc
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+def test_ranks_whose_launcher_is_killed_stop_and_record_why(tmp_path):
+    """SIGKILL to `hexiseq run` and torchrun (their process group) leaves the ranks, in
+    sessions of their own, orphaned: they notice at the next step, stop, and rank 0 records
+    the run failed with that reason instead of training on."""
+    cluster = Cluster.from_dict({**ONE_CPU, "nodes": [{"name": "n", "gpu": "cpu", "count": 2}]})
+    plan_search(cluster, ModelSpec.preset("tiny"), 64, seed=0).best.to_json(tmp_path / "p.json")
+    database = tmp_path / "runs.db"
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "hexiseq.cli", "run", "--plan", str(tmp_path / "p.json"),
+         "--steps", "100000", "--store", f"sqlite:///{database}", "--device", "cpu"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # fmt: skip
+    ranks = []
+    try:
+        _wait_for_measured_step(database, timeout_s=120)
+        ranks = _rank_processes(launcher.pid)
+        assert len(ranks) == 2
+        os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and torchrun, not the ranks
+        launcher.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(pid) for pid in ranks), "the orphaned ranks trained on"
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    with Store.open(f"sqlite:///{database}") as store:
+        (run,) = store.list_runtime_runs()
+    assert run["status"] == "failed" and "the launcher" in run["failure"], run["failure"]
