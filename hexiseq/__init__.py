@@ -11,7 +11,7 @@ from typing import Any
 
 from hexiseq.catalog import GpuSpec, gpu_catalog, gpu_spec
 from hexiseq.cluster import Cluster, Device, cluster_presets
-from hexiseq.errors import HexiseqError, InfeasibleError, InputError
+from hexiseq.errors import HexiseqError, InfeasibleError, InputError, StoreError
 from hexiseq.layout import AttentionLayout, build_uniform_layout, build_zigzag_layout
 from hexiseq.model import ModelSpec, TrainSpec, model_presets
 from hexiseq.plan import InfeasiblePlan, Plan
@@ -33,6 +33,7 @@ __all__ = [
     "GpuSpec",
     "HexiseqError",
     "InfeasibleError",
+    "StoreError",
     "InfeasiblePlan",
     "InputError",
     "ModelSpec",

@@ -21,3 +21,8 @@ class InfeasibleError(HexiseqError):
     def __init__(self, message: str, missing_bytes: dict[int, int] | None = None) -> None:
         super().__init__(message)
         self.missing_bytes = dict(missing_bytes or {})
+
+
+class StoreError(HexiseqError):
+    """The store could not do what was asked of a valid request: the disk is full, the file
+    read-only or locked, the server gone. Names the store; nothing of the failed write stays."""

@@ -78,7 +78,7 @@ from hexiseq._store_url import (
     parse_database_url,
     store_url_from,
 )
-from hexiseq.errors import InputError
+from hexiseq.errors import InputError, StoreError
 from hexiseq.plan import InfeasiblePlan, Plan
 
 __all__ = [
@@ -242,7 +242,7 @@ class Store(RuntimeTables, ProfileTables):
         if getattr(self._open_transaction, "session", None) is not None:
             yield
             return
-        with self._session_factory.begin() as session:
+        with self._database_errors(), self._session_factory.begin() as session:
             self._open_transaction.session = session
             try:
                 yield
@@ -256,8 +256,17 @@ class Store(RuntimeTables, ProfileTables):
         if open_session is not None:
             yield open_session
             return
-        with self._session_factory.begin() as session:
+        with self._database_errors(), self._session_factory.begin() as session:
             yield session
+
+    @contextmanager
+    def _database_errors(self) -> Iterator[None]:
+        """The database refusing a valid request (a full disk, a read-only or locked file, a
+        lost server) as one `StoreError` line naming the store; the transaction rolled back."""
+        try:
+            yield
+        except OperationalError as error:
+            raise StoreError(f"store {self._display_url}: {_one_line(error)}") from None
 
     def save_plan(
         self,

@@ -177,7 +177,10 @@ def check_search_space(study, problem: Problem) -> None:
             for name, value in trial.params.items()
             if name in allowed and allowed[name] is not None and value not in allowed[name]
         ]
-        if names != set(allowed) or wrong:
+        # A trial another process is running now may have sampled only some choices yet.
+        running = trial.state == optuna.trial.TrialState.RUNNING
+        mismatch = not names <= set(allowed) if running else names != set(allowed)
+        if mismatch or wrong:
             detail = ", ".join(sorted(names ^ set(allowed))) or ", ".join(
                 f"{name}={trial.params[name]!r}" for name in wrong
             )

@@ -101,3 +101,19 @@ def test_an_unreachable_storage_is_one_masked_line():
             "cpu-emulated-2type", "tiny", 8192, n_trials=2, storage="sqlite:////no/such/dir/x.db"
         )
     assert "is not usable" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_a_trial_another_process_is_sampling_right_now_is_not_another_space(tmp_path):
+    """A RUNNING trial of a concurrent search may hold only some of its choices yet: the
+    search-space check does not mistake it for a study of another space (it did, under 29
+    processes sharing one new study: benchmarks/store_safety.py)."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    plan_search("cpu-emulated-2type", "tiny", 512, n_trials=2, storage=url, study_name="s")
+    study = optuna.load_study(study_name="s", storage=url)
+    halfway = study.ask()  # another worker, one choice sampled so far
+    halfway.suggest_categorical("hp_degree[cpu]", [1, 2])
+    result = plan_search("cpu-emulated-2type", "tiny", 512, n_trials=3, storage=url,
+                         study_name="s")  # fmt: skip
+    assert result.best is not None
+    running = optuna.trial.TrialState.RUNNING
+    assert [t.state for t in study.get_trials(deepcopy=False)].count(running) == 1
