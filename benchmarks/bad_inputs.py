@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import replace_section  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ("clear", "traceback", "hang", "accepted", "wrote")
 
 
@@ -466,10 +467,40 @@ def api_cases(d: Path, good_plan_path: str) -> list[Case]:
         "kv heads not dividing": (16, 8, 3, [[0]], [16], [[1]], [[8]]),
     }.items():
         add("build_zigzag_layout", label, lambda a=arguments: build_zigzag_layout(*a))
+    for value in ["3", "abc", "100000000000000000000", "", "-1k", "inf", "1M1"]:
+        add("dashboard what-if form", f"seq len {value or '(empty)'}",
+            lambda value=value: whatif_form(d, value))  # fmt: skip
     add("predict", "plan=123", lambda: hexiseq.predict(123))
     add("predict", "cost_model='magic'", lambda: hexiseq.predict(Plan.from_json(good_plan_path),
                                                                 cost_model="magic"))  # fmt: skip
     return cases
+
+
+def whatif_form(d: Path, seq_len: str) -> None:
+    """Submit the dashboard's what-if form (Streamlit's AppTest) with a sequence length: a
+    clear refusal is one error on the page, no exception and no Save button (raised here as
+    an InputError carrying the page's message, so the judge counts it as clear)."""
+    from streamlit.testing.v1 import AppTest
+
+    from hexiseq.dashboard import _session
+    from hexiseq.errors import InputError
+
+    app = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=60)
+    app.session_state[_session.STORE_URL_KEY] = f"sqlite:///{d / 'dashboard.db'}"
+    app.run()
+    app.switch_page("pages/whatif.py").run()
+    app.selectbox(key="whatif_cluster").set_value("cpu-emulated-2type")
+    app.selectbox(key="whatif_model").set_value("tiny")
+    app.text_input(key="whatif_seq_len").set_value(seq_len)
+    app.button[0].click().run()
+    if app.exception:
+        raise RuntimeError(f"the page raised: {app.exception[0].value}")
+    errors = [str(e.value) for e in app.error]
+    saving = any(b.key == "whatif_save" for b in app.button)
+    if len(errors) == 1 and "\n" not in errors[0].strip() and not saving:
+        raise InputError(errors[0])
+    if errors:
+        raise RuntimeError(f"{len(errors)} errors, save button {saving}: {errors[:2]}")
 
 
 # --- running and judging -----------------------------------------------------------------------
