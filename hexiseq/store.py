@@ -399,8 +399,11 @@ def _create_store_engine(parsed_url: URL, shown_url: str) -> Engine:
     """Create the engine (no connection yet); raise InputError if the driver is missing."""
     if parsed_url.get_backend_name() == "sqlite":
         _make_sqlite_parent_directory(parsed_url, shown_url)
+    sqlite = parsed_url.get_backend_name() == "sqlite"
     try:
-        return create_engine(parsed_url)
+        return create_engine(
+            parsed_url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S} if sqlite else {}
+        )
     except ImportError as error:
         raise InputError(
             f"store URL {shown_url!r} needs database driver {error.name!r}, which is not "
@@ -505,6 +508,9 @@ def _migrate(engine: Engine, display_url: str) -> None:
             raise AssertionError(f"store {display_url}: migrations did not reach the head")
 
 
+SQLITE_BUSY_TIMEOUT_S = 60.0
+"""How long a SQLite write waits for another process's write lock before it gives up (the
+driver's default, 5 s, is too short for dozens of processes writing one store at once)."""
 _POSTGRESQL_SCHEMA_LOCK = 0x6865786973657121
 """pg_advisory_xact_lock key of hexiseq's schema migrations ("hexiseq!")."""
 _SQLITE_LOCK_TIMEOUT_S = 30.0

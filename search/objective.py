@@ -214,7 +214,7 @@ def check_train_spec(study, problem: Problem) -> None:
                 "micro-batches and precision; use another storage or study name (`hexiseq plan "
                 "--study-name`, `plan_search(study_name=...)`)"
             )
-        study.set_user_attr(TRAIN_ATTR, wanted)
+        _record_train_spec(study, wanted)
         return
     if stored != wanted:
         differing = ", ".join(f"{k} {stored.get(k)} (now {v})" for k, v in wanted.items()
@@ -223,6 +223,22 @@ def check_train_spec(study, problem: Problem) -> None:
             f"study {study.study_name!r} was scored for another step ({differing}); use another "
             "storage or study name (`hexiseq plan --study-name`, `plan_search(study_name=...)`)"
         )
+
+
+def _record_train_spec(study, wanted: dict) -> None:
+    """Record the study's step; where another process sharing the new study recorded it at
+    the same moment (a unique-key clash), what it recorded must be the same step."""
+    try:
+        study.set_user_attr(TRAIN_ATTR, wanted)
+    except optuna.exceptions.StorageInternalError:
+        stored = optuna.load_study(
+            study_name=study.study_name, storage=study._storage
+        ).user_attrs.get(TRAIN_ATTR)
+        if stored != wanted:
+            raise InputError(
+                f"study {study.study_name!r} is being scored for another step ({stored}) by "
+                "another process; use another storage or study name"
+            ) from None
 
 
 def _step_before_records(problem: Problem) -> dict:

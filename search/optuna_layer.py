@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 import optuna
+from optuna.exceptions import UpdateFinishedTrialError
 
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
@@ -115,9 +116,7 @@ def _sample(study, objective: Objective, options: SearchOptions, scored: int, st
             budget_s,
         )
         return
-    study.optimize(
-        objective, n_trials=remaining, timeout=budget_s, show_progress_bar=options.show_progress
-    )
+    optimize_shared(study, objective, remaining, budget_s, options.show_progress)
 
 
 def _polish(study, objective: Objective, options: SearchOptions, started: float):
@@ -154,8 +153,39 @@ def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
     candidates = shortlist(objective.problem, objective.quanta)[:limit]
     for choices in candidates:
         study.enqueue_trial(params_of(choices, quantum))
-    study.optimize(objective, n_trials=len(candidates))
+    optimize_shared(study, objective, len(candidates), None, False)
     return len(candidates)
+
+
+def optimize_shared(
+    study, objective: Objective, n_trials: int | None, timeout_s: float | None, progress: bool
+) -> None:
+    """`study.optimize` for `n_trials` trials / `timeout_s`, going on where another process
+    sharing the stored study told a trial this one was running too: Optuna cannot lock a
+    waiting (enqueued) trial in SQLite, so two processes may pop the same one; the second
+    tell fails, and that trial counts as run (the first told it)."""
+    told, raced, started = [0], 0, time.perf_counter()
+
+    def count(_study, _trial) -> None:
+        told[0] += 1
+
+    while n_trials is None or told[0] + raced < n_trials:
+        left_s = None if timeout_s is None else timeout_s - (time.perf_counter() - started)
+        if left_s is not None and left_s <= 0:
+            return
+        try:
+            study.optimize(
+                objective,
+                n_trials=None if n_trials is None else n_trials - told[0] - raced,
+                timeout=left_s,
+                show_progress_bar=progress,
+                callbacks=[count],
+            )
+            return
+        except (UpdateFinishedTrialError, ValueError) as error:
+            if isinstance(error, ValueError) and "Cannot tell a" not in str(error):
+                raise
+            raced += 1
 
 
 def _outcome(
