@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from hexiseq._cli_fit import read_runtime_sources
-from hexiseq.costmodel import FittedCostModel
-from hexiseq.costmodel._memory_fit import memory_points
+from hexiseq.costmodel import FittedCostModel, RuntimeSource, memory_points
 from hexiseq.dashboard import _session
 from hexiseq.dashboard.views import profiles as views
 from hexiseq.errors import HexiseqError
@@ -58,7 +56,8 @@ def main() -> None:
 
 def _memory_calibration(document) -> None:
     """Measured peaks of `hexiseq run` against the memory model, and its calibration."""
-    points = memory_points(read_runtime_sources(_session.store()))
+    sources = [RuntimeSource(*run) for run in _session.store().runtime_peaks()]
+    points = memory_points(sources)
     if not points:
         return
     st.subheader("Memory calibration")

@@ -10,11 +10,13 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from hexiseq.catalog import GiB
-from hexiseq.costmodel import FittedDocument
-from hexiseq.costmodel._features import measurement_features, size_key
-from hexiseq.costmodel._fit_document import MemoryFit
-from hexiseq.costmodel._memory_fit import MemoryPoint
-from hexiseq.costmodel._regression import predict_link
+from hexiseq.costmodel import (
+    FittedDocument,
+    MemoryFit,
+    MemoryPoint,
+    fitted_time_s,
+    measurement_size,
+)
 from hexiseq.profiles import COMPUTE_OPS, ProfileMeasurement
 
 PROFILE_COLUMNS = [
@@ -49,24 +51,15 @@ def profile_frame(
     """One row per measured point: its family, size (FLOPs or bytes), measured median and
     p10/p90, and the fitted prediction with its relative error (predicted / measured - 1)
     where a fit of that family exists."""
-    ops = _op_fits(document)
-    links = {(f.link_class, f.op): f for f in document.links} if document else {}
-    rows = [_profile_row(m, ops, links) for m in measurements]
+    rows = [_profile_row(m, document) for m in measurements]
     return pd.DataFrame(rows, columns=PROFILE_COLUMNS)
 
 
-def _op_fits(document: FittedDocument | None) -> dict:
-    if document is None:
-        return {}
-    return {(f.device_type, f.op, f.dtype, f.emulation_slowdown): f for f in document.ops}
-
-
-def _profile_row(m: ProfileMeasurement, ops: dict, links: dict) -> dict:
-    compute = m.op in COMPUTE_OPS
-    size = size_key(m.op, m) if compute else m.bytes_moved
+def _profile_row(m: ProfileMeasurement, document: FittedDocument | None) -> dict:
+    size, unit = measurement_size(m)
     predicted = None
-    if m.status == "ok":
-        predicted = _predict_compute(m, ops) if compute else _predict_link(m, links)
+    if m.status == "ok" and document is not None:
+        predicted = fitted_time_s(document, m)
     return {
         "family": family_name(m),
         "device_type": m.device_type,
@@ -74,8 +67,8 @@ def _profile_row(m: ProfileMeasurement, ops: dict, links: dict) -> dict:
         "dtype": m.dtype,
         "link_class": m.link_class,
         "emulation_slowdown": m.emulation_slowdown,
-        "size": float(size),
-        "size_unit": "FLOPs" if compute and m.flops and size == m.flops else "bytes",
+        "size": size,
+        "size_unit": unit,
         "measured_s": m.median_s,
         "p10_s": m.p10_s,
         "p90_s": m.p90_s,
@@ -83,20 +76,6 @@ def _profile_row(m: ProfileMeasurement, ops: dict, links: dict) -> dict:
         "predicted_s": predicted,
         "relative_error": predicted / m.median_s - 1 if predicted and m.median_s else None,
     }
-
-
-def _predict_compute(m: ProfileMeasurement, ops: dict) -> float | None:
-    fit = ops.get((m.device_type, m.op, m.dtype, m.emulation_slowdown))
-    if fit is None:
-        return None
-    return float(np.dot(fit.coefficients, measurement_features(m, fit.cache_bytes)))
-
-
-def _predict_link(m: ProfileMeasurement, links: dict) -> float | None:
-    fit = links.get((m.link_class, m.op))
-    if fit is None:
-        return None
-    return float(predict_link(fit.regimes, np.array(m.bytes_moved)))
 
 
 def profile_figure(frame: pd.DataFrame, family: str) -> go.Figure:

@@ -64,8 +64,8 @@ def test_heldout_frame_lists_every_fit(fitted_document):
 
 
 def test_memory_calibration_figure_draws_each_rank_against_the_model():
-    from hexiseq.costmodel._fit_document import HeldOut, MemoryFit
-    from hexiseq.costmodel._memory_fit import MemoryPoint
+    from hexiseq.costmodel import MemoryFit, MemoryPoint
+    from hexiseq.costmodel._fit_document import HeldOut
     from hexiseq.dashboard.views.profiles import memory_calibration_figure
 
     GiB = 2**30
