@@ -56,9 +56,13 @@ with Store.open(sys.argv[1]) as store:
 """
 SEARCH = """
 import sys
+from hexiseq.errors import HexiseqError
 from hexiseq.search import plan_search
-plan_search("cpu-emulated-2type", "tiny", 512, n_trials=int(sys.argv[2]), storage=sys.argv[1],
-            study_name="shared")
+try:
+    plan_search("cpu-emulated-2type", "tiny", 512, n_trials=int(sys.argv[2]),
+                storage=sys.argv[1], study_name="shared")
+except HexiseqError as error:  # the API's one clear line, as the CLI prints it
+    sys.exit(f"error: {error}")
 print("searched", flush=True)
 """
 
@@ -302,7 +306,7 @@ QUICK_GRID_POINTS = 99
 def stale_trials(d: Path, rng: random.Random) -> Tally:
     """Stored searches killed mid-trial, then resumed after the heartbeat's grace period:
     trials still RUNNING after the resume."""
-    from hexiseq.search.objective import GRACE_S
+    from hexiseq.search.studies import GRACE_S
 
     tally = Tally()
     url = f"sqlite:///{d / 'stale.db'}"

@@ -51,6 +51,7 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from hexiseq import migrations
+from hexiseq._busy_server import ENGINE_PLUGIN
 from hexiseq._store_base import (
     StoreBase,
     StoreMetaRow,
@@ -402,7 +403,9 @@ def _create_store_engine(parsed_url: URL, shown_url: str) -> Engine:
     sqlite = parsed_url.get_backend_name() == "sqlite"
     try:
         return create_engine(
-            parsed_url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S} if sqlite else {}
+            parsed_url,
+            connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S} if sqlite else {},
+            plugins=[ENGINE_PLUGIN],  # a PostgreSQL server out of connection slots is waited for
         )
     except ImportError as error:
         raise InputError(

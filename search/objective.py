@@ -1,14 +1,10 @@
 """What every trial shares: the objective (global choices -> plan -> throughput), the
-conversions between choices and Optuna parameters, and opening a (stored) study."""
+conversions between choices and Optuna parameters, and the checks that a stored study was
+searched over this search's space and step."""
 
 from __future__ import annotations
 
-import inspect
-import warnings
-
 import optuna
-from optuna.storages import RetryFailedTrialCallback
-from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
@@ -16,7 +12,6 @@ from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import RING_ORDERS, GlobalChoices, candidate_hp_degrees, chunk_quantum
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.options import SearchOptions
-from hexiseq.store import display_url, mask_url_passwords, retry_schema_race
 
 INFEASIBLE_SCORE = 0.0
 INFEASIBLE_ATTR = "infeasible"
@@ -69,6 +64,17 @@ class Objective:
             return throughput, 1.0 - plan.predicted.max_memory_fraction
         return throughput
 
+    def scored_trial(self, params: dict, **user_attrs) -> optuna.trial.FrozenTrial:
+        """The finished trial of `params`, scored here (to add to a study in one write)."""
+        fixed = optuna.trial.FixedTrial(params)
+        value = self(fixed)
+        return optuna.trial.create_trial(
+            params=fixed.params,
+            distributions=fixed.distributions,
+            values=list(value) if self.multi_objective else [value],
+            user_attrs={**fixed.user_attrs, **user_attrs},
+        )
+
     def plan(self, choices: GlobalChoices) -> Plan | InfeasiblePlan:
         key = choices.key()
         if key not in self.cache:
@@ -91,69 +97,6 @@ class Objective:
                 "activation_checkpointing", list(self.problem.checkpointing_options)
             ),
         )
-
-
-HEARTBEAT_S = 10
-GRACE_S = 60
-"""A stored study's running trials beat every HEARTBEAT_S; one silent for GRACE_S (its process
-was killed) is failed by the next search on the study and retried once."""
-
-
-def create_study(storage: str | None, name: str, seed: int, multi_objective: bool):
-    """The study `name` in `storage` (created if new; in memory without a storage), with
-    heartbeats on stored trials. A URL that cannot be used, or a study of the other kind
-    (single- vs multi-objective), is one masked `InputError`."""
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=8)
-    directions = ["maximize", "maximize"] if multi_objective else ["maximize"]
-    try:
-        study = retry_schema_race(
-            lambda: optuna.create_study(
-                storage=_storage(storage),
-                study_name=name,
-                sampler=sampler,
-                directions=directions,
-                load_if_exists=True,
-            )
-        )
-    except (ArgumentError, ImportError, SQLAlchemyError) as error:
-        # SQLAlchemy's message repeats the URL, password and all: one masked line instead.
-        reason = mask_url_passwords((str(error).splitlines() or [type(error).__name__])[0])
-        raise InputError(
-            f"storage URL {display_url(str(storage))!r} is not usable: {reason}"
-        ) from None
-    except ValueError as error:  # e.g. a stored study with other directions
-        reason = mask_url_passwords((str(error).splitlines() or ["ValueError"])[0])
-        raise InputError(f"study {name!r} cannot be used for this search: {reason}") from None
-    if len(study.directions) != len(directions):
-        kinds = {1: "throughput only", 2: "throughput and memory headroom (Pareto)"}
-        raise InputError(
-            f"study {name!r} was made to search {kinds[len(study.directions)]}, this search "
-            f"wants {kinds[len(directions)]}; use another storage or study name (`hexiseq plan "
-            "--study-name`, `plan_search(study_name=...)`)"
-        )
-    return study
-
-
-def _storage(url: str | None):
-    if url is None:
-        return None
-    with warnings.catch_warnings():  # heartbeats are marked experimental; they are what we want
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        # Optuna 4.9 renamed the callback; older releases (>= 3.4 allowed) know the old names.
-        parameters = inspect.signature(optuna.storages.RDBStorage).parameters
-        if "heartbeat_stale_trial_callback" in parameters:
-            retry = {"heartbeat_stale_trial_callback": _retry_callback()}
-        else:
-            retry = {"failed_trial_callback": _retry_callback()}
-        return optuna.storages.RDBStorage(
-            url, heartbeat_interval=HEARTBEAT_S, grace_period=GRACE_S, **retry
-        )
-
-
-def _retry_callback():
-    """Retry a stale trial once (Optuna's callback, under its name of the installed release)."""
-    callback = getattr(optuna.storages, "RetryHeartbeatStaleTrialCallback", None)
-    return (callback or RetryFailedTrialCallback)(max_retry=1)
 
 
 def check_search_space(study, problem: Problem) -> None:

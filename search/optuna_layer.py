@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass, field
 
 import optuna
-from optuna.exceptions import UpdateFinishedTrialError
 
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
@@ -31,13 +30,13 @@ from hexiseq.search.objective import (
     check_search_space,
     check_train_spec,
     choices_from_params,
-    create_study,
     default_study_name,
     params_of,
 )
 from hexiseq.search.options import SearchOptions
 from hexiseq.search.polish import POLISH_STARTS, polish, polish_evaluations
 from hexiseq.search.shortlist import shortlist
+from hexiseq.search.studies import create_study, recover_killed_trials, study_storage_errors
 from hexiseq.search.workers import run_workers
 
 
@@ -76,16 +75,20 @@ def run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
     runs `n_trials` more. With neither `n_trials` nor `time_budget_s`, only the short list
     and the polish.
     """
+    with study_storage_errors(options.storage):
+        return _run_study(problem, options)
+
+
+def _run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
     optuna.logging.set_verbosity(logging.WARNING)
     objective = Objective(problem, options.multi_objective)
     name = options.study_name or default_study_name(problem, options)
-    study = create_study(options.storage, name, options.seed, options.multi_objective)
+    study = create_study(options.storage, name, options.seed, options.multi_objective, objective)
     check_search_space(study, problem)
     check_train_spec(study, problem)
+    recover_killed_trials(study, objective)
     started, scored_here = time.perf_counter(), 0
     if not study.trials:  # a new study starts from the short list
-        # Scored here, before any worker starts: workers sharing a SQLite study could both
-        # take the same enqueued trial.
         scored_here = _score_shortlist(study, objective, options.n_trials)
     _sample(study, objective, options, scored_here, started)
     polished: list[Trial] = []
@@ -116,7 +119,12 @@ def _sample(study, objective: Objective, options: SearchOptions, scored: int, st
             budget_s,
         )
         return
-    optimize_shared(study, objective, remaining, budget_s, options.show_progress)
+    study.optimize(
+        objective,
+        n_trials=remaining,
+        timeout=budget_s,
+        show_progress_bar=options.show_progress,
+    )
 
 
 def _polish(study, objective: Objective, options: SearchOptions, started: float):
@@ -138,8 +146,12 @@ def _polish(study, objective: Objective, options: SearchOptions, started: float)
 
 
 def _best_feasible(study, count: int) -> list:
-    """The `count` fastest feasible trials with distinct choices, fastest first."""
-    done = [t for t in study.trials if t.values and t.values[0] > INFEASIBLE_SCORE]
+    """The `count` fastest feasible trials with distinct choices, fastest first. Completed
+    trials only: a trial another process is finishing can read back running with its values
+    but not yet all its choices (Optuna reads a trial's rows one table at a time; found by
+    benchmarks/store_safety.py, 2 of 6 runs of 29 processes sharing one new study)."""
+    complete = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+    done = [t for t in complete if t.values[0] > INFEASIBLE_SCORE]
     distinct = {}
     for trial in sorted(done, key=lambda t: -t.values[0]):
         distinct.setdefault(tuple(sorted(trial.params.items())), trial)
@@ -148,44 +160,14 @@ def _best_feasible(study, count: int) -> list:
 
 def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
     """The screened short list, the greedy default first, at most `limit` trials (a trial
-    count is exact). Returns how many trials it ran."""
+    count is exact). Each is scored here and added to the study finished, in one write: never
+    a waiting trial that two processes sharing the study could both take (SQLite cannot lock
+    it), nor a running one a kill could leave behind. Returns how many trials it added."""
     quantum = objective.quanta[len(objective.quanta) // 2]
     candidates = shortlist(objective.problem, objective.quanta)[:limit]
     for choices in candidates:
-        study.enqueue_trial(params_of(choices, quantum))
-    optimize_shared(study, objective, len(candidates), None, False)
+        study.add_trial(objective.scored_trial(params_of(choices, quantum)))
     return len(candidates)
-
-
-def optimize_shared(
-    study, objective: Objective, n_trials: int | None, timeout_s: float | None, progress: bool
-) -> None:
-    """`study.optimize` for `n_trials` trials / `timeout_s`, going on where another process
-    sharing the stored study told a trial this one was running too: Optuna cannot lock a
-    waiting (enqueued) trial in SQLite, so two processes may pop the same one; the second
-    tell fails, and that trial counts as run (the first told it)."""
-    told, raced, started = [0], 0, time.perf_counter()
-
-    def count(_study, _trial) -> None:
-        told[0] += 1
-
-    while n_trials is None or told[0] + raced < n_trials:
-        left_s = None if timeout_s is None else timeout_s - (time.perf_counter() - started)
-        if left_s is not None and left_s <= 0:
-            return
-        try:
-            study.optimize(
-                objective,
-                n_trials=None if n_trials is None else n_trials - told[0] - raced,
-                timeout=left_s,
-                show_progress_bar=progress,
-                callbacks=[count],
-            )
-            return
-        except (UpdateFinishedTrialError, ValueError) as error:
-            if isinstance(error, ValueError) and "Cannot tell a" not in str(error):
-                raise
-            raced += 1
 
 
 def _outcome(

@@ -17,7 +17,8 @@ from concurrent.futures import ProcessPoolExecutor
 import optuna
 
 from hexiseq.search._evaluate import Problem
-from hexiseq.search.objective import Objective, create_study
+from hexiseq.search.objective import Objective
+from hexiseq.search.studies import create_study, study_storage_errors
 
 
 def run_workers(
@@ -56,6 +57,7 @@ class _Counted(Objective):
 
 def _worker(seed, problem, storage, name, multi_objective, last_trial, budget_s) -> None:
     optuna.logging.set_verbosity(logging.WARNING)
-    study = create_study(storage, name, seed, multi_objective)
-    objective = _Counted(problem, multi_objective, study, last_trial)
-    study.optimize(objective, timeout=budget_s)
+    objective = _Counted(problem, multi_objective, None, last_trial)
+    with study_storage_errors(storage):
+        objective.study = create_study(storage, name, seed, multi_objective, objective)
+        objective.study.optimize(objective, timeout=budget_s)

@@ -19,7 +19,7 @@ def open_store(url: str) -> str:
 
 
 def open_study(url: str) -> str:
-    from hexiseq.search.objective import create_study
+    from hexiseq.search.studies import create_study
 
     try:
         create_study(url, "shared", 0, False)
