@@ -331,6 +331,17 @@ def cli_cases(d: Path, good_plan_path: str, good_plan: dict) -> list[Case]:
     add("run", "--device tpu", ["run", "--plan", good_plan_path, "--device", "tpu"])
     add("run", "--seed -1", ["run", "--plan", good_plan_path, "--seed", "-1", "--no-store"])
     add("run", "a missing plan", ["run", "--plan", str(d / "none.json")])
+    node_run = ["run", "--plan", good_plan_path, "--no-store", "--device", "cpu"]
+    for label, flags in {
+        "--node-rank past the plan's nodes": ["--node-rank", "9"],
+        "--node-rank -1": ["--node-rank", "-1"],
+        "--node-rank 1.5": ["--node-rank", "1.5"],
+        "--master without a port": ["--node-rank", "0", "--master", "10.0.0.1"],
+        "--master port 0": ["--node-rank", "0", "--master", "10.0.0.1:0"],
+        "--master port 65536": ["--node-rank", "0", "--master", "10.0.0.1:65536"],
+        "--master without a host": ["--node-rank", "0", "--master", ":29500"],
+    }.items():
+        add("run --node-rank/--master", label, [*node_run, *flags])
     empty_store = f"sqlite:///{d / 'empty-store.db'}"
     for label, argv in {
         "--device tpu": ["--device", "tpu"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hexiseq import plan_search
-from hexiseq.cli import check_run_devices
+from hexiseq._cli_run import check_run_devices
 from hexiseq.errors import InputError
 
 
@@ -44,3 +44,14 @@ def test_a_device_of_another_type_is_refused(paper_plan, monkeypatch):
         check_run_devices(paper_plan, "cuda")
     fake_cuda(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 8 + ["NVIDIA A100-SXM4-80GB"] * 8)
     check_run_devices(paper_plan, "cuda")  # the devices the plan was made for
+
+
+def test_a_node_launch_checks_only_that_nodes_devices(paper_plan, monkeypatch):
+    """`hexiseq run --node-rank 1`: node 1's eight A100s are cuda:0..7 of its machine."""
+    fake_cuda(monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 8)
+    check_run_devices(paper_plan, "cuda", node_rank=1)
+    with pytest.raises(InputError, match="rank 0 is planned on a H100-SXM but cuda:0 is"):
+        check_run_devices(paper_plan, "cuda", node_rank=0)
+    fake_cuda(monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 4)
+    with pytest.raises(InputError, match=r"8 ranks on node 1 \(a100-node\), one per"):
+        check_run_devices(paper_plan, "cuda", node_rank=1)
