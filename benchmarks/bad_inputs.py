@@ -267,6 +267,18 @@ def bad_urls(d: Path) -> dict[str, str]:
     }
 
 
+def old_optuna_storage(d: Path) -> str:
+    """An Optuna storage whose tables an older Optuna made (its schema version set back)."""
+    import optuna
+
+    url = f"sqlite:///{d / 'old-optuna.db'}"
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(storage=url, study_name="theirs")
+    with sqlite3.connect(d / "old-optuna.db") as connection:
+        connection.execute("UPDATE alembic_version SET version_num = 'v3.0.0.d'")
+    return url
+
+
 def cli_cases(d: Path, good_plan_path: str, good_plan: dict) -> list[Case]:
     cluster = _write(d, "good-cluster.yaml", GOOD_CLUSTER)
     out = d / "out.json"
@@ -322,6 +334,8 @@ def cli_cases(d: Path, good_plan_path: str, good_plan: dict) -> list[Case]:
             add("--storage URL (plan)", label, [*plan_sl, "8k", "--trials", "2", "--storage", url])
         add("--store URL (fit)", label, ["fit", "--store", url])
         add("--store URL (plans list)", label, ["plans", "list", "--store", url])
+    add("--storage URL (plan)", "Optuna tables of an older schema",
+        [*plan_sl, "8k", "--trials", "2", "--storage", old_optuna_storage(d)])  # fmt: skip
     for label, path in plan_files(d, good_plan).items():
         add("predict --plan", label, ["predict", "--plan", path])
         add("run --plan", label, ["run", "--plan", path, "--no-store", "--device", "cpu"])

@@ -41,7 +41,7 @@ import sys
 
 from _results import replace_section
 
-from hexiseq._cli_fit import read_profile_sources, read_runtime_sources
+from hexiseq.cli.fit import read_profile_sources, read_runtime_sources
 from hexiseq.costmodel import (
     FittedDocument,
     ProfileSource,

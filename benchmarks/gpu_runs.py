@@ -34,7 +34,7 @@ from pathlib import Path
 from _results import replace_section
 
 import hexiseq
-from hexiseq._cli_fit import fit_store_profiles
+from hexiseq.cli.fit import fit_store_profiles
 from hexiseq.costmodel import FittedCostModel
 from hexiseq.errors import HexiseqError
 from hexiseq.plan import Plan, Prediction

@@ -14,11 +14,16 @@ from dataclasses import dataclass
 
 import streamlit as st
 
-from hexiseq._cli_dashboard import OPTUNA_STORAGE_ENV
 from hexiseq.dashboard.views.records import BEST_LABEL, baseline_ids_of, plan_choice_label
 from hexiseq.errors import HexiseqError
 from hexiseq.plan import InfeasiblePlan, Plan
-from hexiseq.store import PlanRecord, Store, display_url, store_url_from
+from hexiseq.store import (
+    OPTUNA_STORAGE_ENV,
+    PlanRecord,
+    Store,
+    display_url,
+    store_url_from,
+)
 
 STORE_URL_KEY = "store_url"
 OPTUNA_STORAGE_KEY = "optuna_storage_url"

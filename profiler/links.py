@@ -1,6 +1,6 @@
 """The link sweep, run by torchrun on every rank: `python -m hexiseq.profiler.links ...`.
 
-`hexiseq profile links --nproc N` starts it (`hexiseq._cli_profile`); gloo on CPU, NCCL on
+`hexiseq profile links --nproc N` starts it (`hexiseq.cli.profile`); gloo on CPU, NCCL on
 CUDA (rank i on cuda:LOCAL_RANK). Rank 0 reads which points the store already holds, tells
 the others which to measure, and alone writes the rows, each in its own transaction: an
 interrupted sweep resumes where it stopped.

@@ -3,7 +3,7 @@ and cost model (docs/design.md §4), e.g. a plan written by an earlier hexiseq, 
 the datasheet before the cluster was profiled.
 
 The cost model is chosen as `hexiseq plan --cost-model` chooses it (`plan_cost_model` of
-`hexiseq._cli_fit`), from the store's newest fitted model; the plan is then simulated exactly
+`hexiseq.cli.fit`), from the store's newest fitted model; the plan is then simulated exactly
 as the search scored it: same layout, same per-rank state fractions.
 """
 
@@ -15,7 +15,7 @@ import re
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-from hexiseq._cli_fit import COST_MODEL_CHOICES, plan_cost_model
+from hexiseq.cli.fit import COST_MODEL_CHOICES, plan_cost_model
 from hexiseq.costmodel import CostModel, DatasheetCostModel, simulate_step
 from hexiseq.errors import InputError
 from hexiseq.plan import Plan, Prediction

@@ -24,7 +24,6 @@ from optuna.trial import TrialState
 from sqlalchemy import DateTime, bindparam, text
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
-from hexiseq._busy_server import ENGINE_PLUGIN
 from hexiseq.errors import InputError, StoreError
 from hexiseq.search.objective import Objective, choices_from_params
 from hexiseq.store import (
@@ -33,6 +32,7 @@ from hexiseq.store import (
     mask_url_passwords,
     retry_schema_race,
 )
+from hexiseq.store.busy_server import ENGINE_PLUGIN
 
 HEARTBEAT_S = 10
 GRACE_S = 60
@@ -70,6 +70,15 @@ def create_study(
         reason = mask_url_passwords((str(error).splitlines() or [type(error).__name__])[0])
         raise InputError(
             f"storage URL {display_url(str(storage))!r} is not usable: {reason}"
+        ) from None
+    except RuntimeError as error:  # Optuna's own tables, made by an older Optuna
+        reason = mask_url_passwords((str(error).splitlines() or ["RuntimeError"])[0])
+        if "optuna storage upgrade" not in reason:
+            raise
+        raise InputError(
+            f"storage URL {display_url(str(storage))!r} holds Optuna tables of a schema that "
+            f"the installed Optuna {optuna.__version__} cannot use; back the database up and "
+            "run `optuna storage upgrade --storage <URL>`, or use another storage"
         ) from None
     except ValueError as error:  # e.g. a stored study with other directions
         reason = mask_url_passwords((str(error).splitlines() or ["ValueError"])[0])
@@ -123,7 +132,7 @@ def _storage(url: str | None, objective: Objective | None):
 def _engine_kwargs(url: str) -> dict:
     """A study waits for its database as long as a store does: SQLite for another process's
     write lock (the driver's 5 s made 1-2 of 29 processes sharing a new study fail "database
-    is locked"), PostgreSQL for a connection slot (`hexiseq._busy_server`)."""
+    is locked"), PostgreSQL for a connection slot (`hexiseq.store.busy_server`)."""
     if url.startswith("sqlite"):
         return {"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}}
     return {"plugins": [ENGINE_PLUGIN]}  # a PostgreSQL server out of connection slots: wait

@@ -14,8 +14,8 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.pool import NullPool
 
-from hexiseq import _busy_server
 from hexiseq.store import Store
+from hexiseq.store import busy_server as _busy_server
 
 
 class _RefusedError(Exception):

@@ -408,7 +408,7 @@ def test_profile_links_json_reads_the_sweep_back_from_the_store(tmp_path, monkey
     """torchrun replaced by a stand-in that stores two points as rank 0 would, and prints
     rank 0's human line: stdout must hold the JSON document alone."""
     pytest.importorskip("torch")
-    from hexiseq import _cli_profile
+    from hexiseq.cli import profile as _cli_profile
     from hexiseq.profiles import ProfileMeasurement
 
     grid = tmp_path / "tiny.yaml"

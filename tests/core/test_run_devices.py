@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hexiseq import plan_search
-from hexiseq._cli_run import check_run_devices
+from hexiseq.cli.run import check_run_devices
 from hexiseq.errors import InputError
 
 

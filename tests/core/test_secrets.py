@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 from cli_runner import run_main
 
-from hexiseq import _cli_dashboard, _cli_profile
 from hexiseq.cli import main
+from hexiseq.cli import profile as _cli_profile
 from hexiseq.errors import InputError
 from hexiseq.search import plan_search
 from hexiseq.store import (
     DEFAULT_STORE_URL,
+    OPTUNA_STORAGE_ENV,
     STORE_URL_ENV,
     Store,
     mask_url_passwords,
@@ -34,7 +35,7 @@ APP = Path(__file__).parents[2] / "dashboard" / "app.py"
 @pytest.fixture(autouse=True)
 def no_store_in_environment(monkeypatch):
     monkeypatch.delenv(STORE_URL_ENV, raising=False)
-    monkeypatch.delenv(_cli_dashboard.OPTUNA_STORAGE_ENV, raising=False)
+    monkeypatch.delenv(OPTUNA_STORAGE_ENV, raising=False)
 
 
 def assert_one_secret_free_line(run) -> None:
@@ -235,17 +236,17 @@ def test_dashboard_hands_both_urls_to_streamlit_in_the_environment(started, tmp_
     ((command, environment),) = started
     assert command[1:4] == ["-m", "streamlit", "run"]
     assert_url_in_environment_only(command, environment, url)
-    assert environment[_cli_dashboard.OPTUNA_STORAGE_ENV] == optuna_url
+    assert environment[OPTUNA_STORAGE_ENV] == optuna_url
     assert not any("optuna" in argument for argument in command)
     out = capsys.readouterr().out
     assert "postgresql://u:***@db.example/optuna" in out and SECRET not in out
 
 
 def test_dashboard_without_optuna_storage_drops_a_stale_one(started, tmp_path, monkeypatch):
-    monkeypatch.setenv(_cli_dashboard.OPTUNA_STORAGE_ENV, "sqlite:///stale.db")
+    monkeypatch.setenv(OPTUNA_STORAGE_ENV, "sqlite:///stale.db")
     assert main(["dashboard", "--store", f"sqlite:///{tmp_path / 'x.db'}"]) == 0
     ((_, environment),) = started
-    assert _cli_dashboard.OPTUNA_STORAGE_ENV not in environment
+    assert OPTUNA_STORAGE_ENV not in environment
 
 
 def test_dashboard_refuses_an_unparseable_optuna_storage_before_starting(started, tmp_path):

@@ -12,7 +12,7 @@ from cli_runner import run_main
 from fit_cases import TrueDevice, compute_rows, link_rows
 from test_fit_store_cli import PLAN_ARGS, write_profiles
 
-from hexiseq._cli_fit import plan_cost_model
+from hexiseq.cli.fit import plan_cost_model
 from hexiseq.costmodel import (
     DatasheetCostModel,
     FittedCostModel,

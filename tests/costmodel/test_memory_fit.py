@@ -89,7 +89,7 @@ def _save_run(store: Store, plan, peak_bytes) -> int:
 
 
 def test_runs_come_from_the_store_with_each_rank_largest_peak(tmp_path: Path, plans) -> None:
-    from hexiseq._cli_fit import read_runtime_sources
+    from hexiseq.cli.fit import read_runtime_sources
 
     plan = plans[0]
     with Store.open(f"sqlite:///{tmp_path / 'runs.db'}") as store:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hexiseq import _cli_dashboard
+from hexiseq.cli import dashboard as _cli_dashboard
 from hexiseq.cli import main
 
 ROOT = Path(__file__).parents[2]

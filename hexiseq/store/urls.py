@@ -20,6 +20,9 @@ from hexiseq.errors import InputError
 DEFAULT_STORE_URL = "sqlite:///hexiseq.db"
 STORE_URL_ENV = "HEXISEQ_STORE_URL"
 """Environment variable naming the store when `--store` (Python: `url=`) is not given."""
+OPTUNA_STORAGE_ENV = "HEXISEQ_DASHBOARD_OPTUNA_STORAGE"
+"""How `hexiseq dashboard --optuna-storage URL` hands the Optuna storage URL to the app (in its
+environment, like the store's)."""
 STORE_URL_HELP = f"(default ${STORE_URL_ENV}, else {DEFAULT_STORE_URL})"
 """What the `--store` options' help says about their default."""
 

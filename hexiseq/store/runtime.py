@@ -28,9 +28,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import Mapped, mapped_column
 
-from hexiseq._store_base import StoreBase, check_optional_metric, check_plan_fields, utc_now
 from hexiseq.errors import InputError
 from hexiseq.kernels import ATTENTION_KERNELS, kernels_label
+from hexiseq.store.base import StoreBase, check_optional_metric, check_plan_fields, utc_now
 
 
 class RuntimeRunRow(StoreBase):

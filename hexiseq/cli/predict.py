@@ -8,7 +8,7 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
-from hexiseq._cli_fit import add_cost_model_argument
+from hexiseq.cli.fit import add_cost_model_argument
 from hexiseq.plan import Plan, Prediction, RankPrediction
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hexiseq._cli_output import print_json
-from hexiseq._cli_types import positive_int
+from hexiseq.cli.arguments import positive_int
+from hexiseq.cli.output import print_json
 from hexiseq.errors import InputError
 from hexiseq.store import STORE_URL_HELP, child_environment
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from hexiseq._cli_output import STDOUT, add_json_argument, print_json
-from hexiseq._cli_types import positive_int
+from hexiseq.cli.arguments import positive_int
+from hexiseq.cli.output import STDOUT, add_json_argument, print_json
 from hexiseq.store import STORE_URL_HELP
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def _plan_id(text: str) -> int:
 def run_plans(args: argparse.Namespace) -> int:
     """Run `plans list|show|export`; InputError (exit 2) for an unknown id or store."""
     if args.plans_action == "export" and args.out != STDOUT:
-        from hexiseq._cli_plan import check_writable
+        from hexiseq.cli.plan import check_writable
 
         check_writable(args.out, "--out")
     with open_existing_store(args.store) as store:
@@ -161,7 +161,7 @@ def _records_table(records: list[PlanRecord]) -> str:
 
 
 def _show(args: argparse.Namespace, store: Store, plan: Plan) -> int:
-    from hexiseq._cli_plan import plan_document
+    from hexiseq.cli.plan import plan_document
 
     record = _record(store, args.plan_id)
     if args.json:
@@ -182,7 +182,7 @@ def _export(args: argparse.Namespace, plan: Plan) -> int:
     if args.out == STDOUT:
         print(plan.to_json_text())
         return 0
-    from hexiseq._cli_plan import write_plan
+    from hexiseq.cli.plan import write_plan
 
     write_plan(plan, args.out, "--out")
     print(f"plan {args.plan_id} written to {args.out}")

@@ -14,20 +14,20 @@ import sys
 import textwrap
 from collections.abc import Sequence
 
-from hexiseq._cli_dashboard import add_dashboard_parser, run_dashboard
-from hexiseq._cli_fit import add_fit_parser, run_fit
-from hexiseq._cli_output import (
+from hexiseq.cli.dashboard import add_dashboard_parser, run_dashboard
+from hexiseq.cli.fit import add_fit_parser, run_fit
+from hexiseq.cli.output import (
     EXIT_BAD_INPUT,
     EXIT_BROKEN_PIPE,
     EXIT_CODES_EPILOG,
     EXIT_NO_PLAN_FITS,
 )
-from hexiseq._cli_plan import add_plan_parser, run_plan
-from hexiseq._cli_plans import add_plans_parser, run_plans
-from hexiseq._cli_predict import add_predict_parser, run_predict
-from hexiseq._cli_profile import add_profile_parser, run_profile
-from hexiseq._cli_run import add_run_parser, run_run
-from hexiseq._cli_torch import require_torch
+from hexiseq.cli.plan import add_plan_parser, run_plan
+from hexiseq.cli.plans import add_plans_parser, run_plans
+from hexiseq.cli.predict import add_predict_parser, run_predict
+from hexiseq.cli.profile import add_profile_parser, run_profile
+from hexiseq.cli.run import add_run_parser, run_run
+from hexiseq.cli.torch_extra import require_torch
 from hexiseq.errors import HexiseqError, InfeasibleError
 from hexiseq.store import (
     DEFAULT_STORE_URL,
@@ -131,7 +131,3 @@ def _silence_stdout() -> None:
         os.dup2(devnull, sys.stdout.fileno())
     except (OSError, ValueError):  # stdout is not a file (an in-process test's buffer)
         pass
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

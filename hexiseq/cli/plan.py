@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hexiseq._cli_fit import add_cost_model_argument, plan_cost_model
-from hexiseq._cli_output import (
+from hexiseq.cli.arguments import positive_float, positive_int, seed
+from hexiseq.cli.fit import add_cost_model_argument, plan_cost_model
+from hexiseq.cli.output import (
     STDOUT,
     add_json_argument,
     check_out_choice,
     human_stream,
     print_json,
 )
-from hexiseq._cli_types import positive_float, positive_int, seed
 from hexiseq.cluster import cluster_presets
 from hexiseq.errors import InputError
 from hexiseq.model import model_presets
@@ -207,8 +207,8 @@ def _open_store(url: str) -> Store:
 def _search(
     args: argparse.Namespace, cluster: Cluster, model: ModelSpec, seq_len: int, cost_model
 ) -> SearchResult:
-    """`plan_search` with the CLI's options; a progress bar on a terminal (`_cli_progress`)."""
-    from hexiseq._cli_progress import search_progress
+    """`plan_search` with the CLI's options; a progress bar on a terminal (`cli.progress`)."""
+    from hexiseq.cli.progress import search_progress
     from hexiseq.search import plan_search
     from hexiseq.search.objective import study_name_for
 

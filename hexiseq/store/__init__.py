@@ -51,26 +51,29 @@ from sqlalchemy.orm import Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.pool import NullPool
 
 from hexiseq import migrations
-from hexiseq._busy_server import ENGINE_PLUGIN
-from hexiseq._store_base import (
+from hexiseq.errors import InputError, StoreError
+from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.store.base import (
     StoreBase,
     StoreMetaRow,
     check_optional_metric,
     check_plan_fields,
     utc_now,
 )
-from hexiseq._store_profiles import (
+from hexiseq.store.busy_server import ENGINE_PLUGIN
+from hexiseq.store.profiles import (
     ProfileTables,
 )
-from hexiseq._store_runtime import (
+from hexiseq.store.runtime import (
     LAUNCH_ID_ENV,
     MEMORY_MEASURES,
     RUN_STATUSES,
     RuntimeMeasurement,
     RuntimeTables,
 )
-from hexiseq._store_url import (
+from hexiseq.store.urls import (
     DEFAULT_STORE_URL,
+    OPTUNA_STORAGE_ENV,
     STORE_URL_ENV,
     STORE_URL_HELP,
     child_environment,
@@ -79,8 +82,6 @@ from hexiseq._store_url import (
     parse_database_url,
     store_url_from,
 )
-from hexiseq.errors import InputError, StoreError
-from hexiseq.plan import InfeasiblePlan, Plan
 
 __all__ = [
     "DEFAULT_STORE_URL",
@@ -88,6 +89,7 @@ __all__ = [
     "MEMORY_MEASURES",
     "RUN_STATUSES",
     "SCHEMA_VERSION",
+    "OPTUNA_STORAGE_ENV",
     "STORE_URL_ENV",
     "STORE_URL_HELP",
     "PlanRecord",

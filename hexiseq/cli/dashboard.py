@@ -14,13 +14,17 @@ import sys
 from pathlib import Path
 
 from hexiseq.errors import InputError
-from hexiseq.store import STORE_URL_HELP, child_environment, display_url, parse_database_url
+from hexiseq.store import (
+    OPTUNA_STORAGE_ENV,
+    STORE_URL_HELP,
+    child_environment,
+    display_url,
+    parse_database_url,
+)
 
 DEFAULT_PORT = 8501
 DASHBOARD_MODULES = ("streamlit", "plotly", "pandas")
 INSTALL_HINT = "pip install -e '.[dashboard]'"
-OPTUNA_STORAGE_ENV = "HEXISEQ_DASHBOARD_OPTUNA_STORAGE"
-"""How `hexiseq dashboard --optuna-storage URL` hands the URL to the app."""
 _OPTUNA_URLS = "give a SQLAlchemy URL such as sqlite:///optuna.db or postgresql://USER@HOST/DB"
 
 

@@ -15,7 +15,7 @@ import sys
 import uuid
 from dataclasses import dataclass
 
-from hexiseq._cli_types import positive_int, seed
+from hexiseq.cli.arguments import positive_int, seed
 from hexiseq.errors import InputError
 from hexiseq.store import LAUNCH_ID_ENV, STORE_URL_ENV, STORE_URL_HELP, child_environment
 

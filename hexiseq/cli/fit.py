@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from hexiseq._cli_output import add_json_argument, print_json
+from hexiseq.cli.output import add_json_argument, print_json
 from hexiseq.errors import InputError
 from hexiseq.store import STORE_URL_HELP
 

@@ -10,7 +10,6 @@ from sqlalchemy import Boolean, DateTime, Float, ForeignKey, String, Text, Uniqu
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Mapped, mapped_column
 
-from hexiseq._store_base import StoreBase, utc_now
 from hexiseq.errors import InputError
 from hexiseq.profiles import (
     COMPUTE_OPS,
@@ -22,6 +21,7 @@ from hexiseq.profiles import (
     check_measurement,
     measurement_key,
 )
+from hexiseq.store.base import StoreBase, utc_now
 
 
 class ProfileRunRow(StoreBase):

@@ -1,0 +1,5 @@
+"""`python -m hexiseq.cli ...`: the `hexiseq` command."""
+
+from hexiseq.cli import main
+
+raise SystemExit(main())
