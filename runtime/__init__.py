@@ -18,6 +18,8 @@ sequence sharded by an `AttentionLayout` over a process group (default: the worl
 - `loss`          mean next-token loss over all ranks' tokens; gradient all-reduce (sum)
 - `sharding`      model states sharded over the domain in the plan's fractions, even or not:
                   FP32 master shards, weights gathered in the compute dtype (ZeRO-3 style)
+- `replicas`      data-parallel replicas over CP-HP meshes: each replica its own group, layout
+                  and sequences per step; gradients summed over the world, token-weighted
 - `train`         the torchrun train loop of a plan, measured into the store
 - `hf`            a plan applied to a user's Hugging Face Llama/Qwen2 model (attention swapped)
 - `_emulation`    emulated slower devices: compute phases padded by sleeping

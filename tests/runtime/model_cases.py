@@ -168,3 +168,63 @@ def check_model_cases(rank: int, world_size: int) -> None:
         for name, grad in grads.items():
             error = relative_error(grad, want_grads[name])
             assert error <= TOLERANCE, f"rank {rank} {name} grad error {error:.2e} in {case}"
+
+
+@dataclass(frozen=True)
+class ReplicaCase:
+    """A step over data-parallel replicas: each replica's global ranks, layout and sequences."""
+
+    model: str
+    replicas: tuple  # of runtime.replicas.Replica
+    seed: int
+
+    @property
+    def sequences(self) -> int:
+        return sum(replica.sequences for replica in self.replicas)
+
+
+def replica_tokens(case: ReplicaCase) -> torch.Tensor:
+    """Fresh random token ids (N, S) of every sequence of the step, the same on every rank."""
+    vocab = ModelSpec.preset(case.model).vocab
+    generator = torch.Generator().manual_seed(case.seed)
+    seq_len = case.replicas[0].layout.seq_len
+    return torch.randint(0, vocab, (case.sequences, seq_len), generator=generator)
+
+
+def replica_reference(case: ReplicaCase) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and gradients of the single-process float64 model on the whole batch: the mean
+    cross-entropy over every labelled token of every sequence."""
+    from hexiseq.runtime.model import LocalAttention, build_model
+
+    spec = ModelSpec.preset(case.model)
+    model = build_model(spec, LocalAttention(), seed=case.seed, dtype=torch.float64)
+    tokens = replica_tokens(case)
+    logits = model(tokens, torch.arange(tokens.shape[1]))
+    loss = functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.item(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def check_replica_case(rank: int, world_size: int, case: ReplicaCase) -> None:
+    """Worker: this rank's replica step (fp32) against the single-process reference."""
+    from hexiseq.runtime import CPHPAttention
+    from hexiseq.runtime.model import build_model
+    from hexiseq.runtime.replicas import check_replicas, own_replica, replica_groups, replica_step
+    from hexiseq.runtime.sharding import full_gradients
+
+    torch.manual_seed(4321 + rank)  # nothing may depend on the global RNG
+    check_replicas(case.replicas, world_size)
+    groups = replica_groups(case.replicas)
+    index = own_replica(case.replicas, rank)
+    attention = CPHPAttention(case.replicas[index].layout, groups[index])
+    model = build_model(ModelSpec.preset(case.model), attention, seed=case.seed)
+    step = replica_step(model, case.replicas, rank, replica_tokens(case))
+    want_loss, want_grads = replica_reference(case)
+    assert step.labelled_tokens == case.sequences * (replica_tokens(case).shape[1] - 1)
+    loss_error = abs(step.loss - want_loss) / abs(want_loss)
+    assert loss_error <= TOLERANCE, f"rank {rank} loss error {loss_error:.2e}"
+    grads = full_gradients(model)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in grads.items():
+        error = relative_error(grad, want_grads[name])
+        assert error <= TOLERANCE, f"rank {rank} {name} grad error {error:.2e}"
