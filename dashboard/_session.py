@@ -34,6 +34,9 @@ UPLOADS_KEY = "uploaded_plans"
 WHATIF_KEY = "whatif_result"
 WHATIF_CHOICE = "whatif"
 PENDING_CHOICE_KEY = "pending_plan_choice"
+KEPT_CHOICE_KEY = "kept_plan_choice"
+"""The sidebar's plan, kept outside the widget's own state: Streamlit drops a widget's state
+on a page switch, so the picker reset to the newest plan on every page."""
 BASELINE_NAMES = ("uniform-usp", "ring-only", "ulysses-only", "homogeneous-subset")
 
 PLAN_HINT = (
@@ -173,12 +176,19 @@ def plan_picker(container, key: str = PLAN_CHOICE_KEY, label: str = "Plan") -> s
     if not options:
         return None
     keys = list(options)
-    pending = st.session_state.pop(PENDING_CHOICE_KEY, None) if key == PLAN_CHOICE_KEY else None
-    if pending in options:
-        st.session_state[key] = pending
+    sidebar = key == PLAN_CHOICE_KEY
+    if sidebar:
+        pending = st.session_state.pop(PENDING_CHOICE_KEY, None)
+        for wanted in (pending, st.session_state.get(key), st.session_state.get(KEPT_CHOICE_KEY)):
+            if wanted in options:
+                st.session_state[key] = wanted
+                break
     if st.session_state.get(key) not in options:
         st.session_state[key] = keys[0]
-    return container.selectbox(label, keys, format_func=options.get, key=key)
+    choice = container.selectbox(label, keys, format_func=options.get, key=key)
+    if sidebar:
+        st.session_state[KEPT_CHOICE_KEY] = choice
+    return choice
 
 
 def selected_plan() -> SelectedPlan | None:

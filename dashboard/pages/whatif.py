@@ -114,7 +114,11 @@ def main() -> None:
         try:
             _search(inputs)
         except HexiseqError as error:
+            # The previous result must not stay on screen with a live Save button beside this
+            # error: a wrong plan was saved that way.
+            st.session_state.pop(_session.WHATIF_KEY, None)
             st.error(str(error))
+            return
     entry = st.session_state.get(_session.WHATIF_KEY)
     if entry is None:
         st.info("Choose a cluster, a model and a sequence length, then run the search.")

@@ -130,3 +130,38 @@ def test_whatif_search_shows_its_result_everywhere_and_saves_it(empty_store_url)
     app.switch_page("pages/throughput.py").run()
     assert_no_exception(app)
     assert len(app.get("plotly_chart")) >= 2  # plan vs baselines, search history
+
+
+def test_the_plan_picked_in_the_sidebar_stays_picked_on_every_page(populated_store):
+    """It reset to the newest plan on each page switch: a user read another plan's memory."""
+    with Store.open(populated_store.url) as store:
+        oldest = min(r.id for r in store.list_plans())
+    app = open_page(populated_store.url, "plan")
+    newest = app.sidebar.selectbox[0].value
+    chosen = f"store:{oldest}"
+    app.session_state[_session.PLAN_CHOICE_KEY] = chosen  # the user's pick in the sidebar
+    app.run()
+    assert chosen != newest and app.sidebar.selectbox[0].value == chosen
+    for page in ("memory", "cluster", "whatif", "plan", "throughput"):  # throughput last: its
+        # Optuna-storage box has a format_func AppTest cannot call outside a run
+        app.switch_page(f"pages/{page}.py").run()
+        assert_no_exception(app)
+        assert app.sidebar.selectbox[0].value == chosen, page
+
+
+def test_a_whatif_error_clears_the_previous_result_and_its_save_button(empty_store_url):
+    app = open_page(empty_store_url, "whatif")
+    app.selectbox(key="whatif_cluster").set_value("cpu-emulated-2type")
+    app.selectbox(key="whatif_model").set_value("tiny")
+    app.text_input(key="whatif_seq_len").set_value("8k")
+    app.button[0].click().run()
+    assert [b.key for b in app.button if b.key == "whatif_save"] == ["whatif_save"]
+    app.text_input(key="whatif_seq_len").set_value("8kk")
+    app.button[0].click().run()
+    assert_no_exception(app)
+    assert len(app.error) == 1 and "8kk" in app.error[0].value
+    assert not [b for b in app.button if b.key == "whatif_save"]  # nothing to save
+    assert not [h for h in app.subheader if h.value.startswith("Result")]
+    assert _session.WHATIF_KEY not in app.session_state
+    with Store.open(empty_store_url) as store:
+        assert store.list_plans() == []
