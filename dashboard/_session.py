@@ -206,6 +206,12 @@ def selected_plan() -> SelectedPlan | None:
         return None
 
 
+def caption_prediction_source(plan: Plan) -> None:
+    """Which cost model made the plan's numbers (datasheet or fitted, per GPU type where they
+    differ): on every page that shows predictions, not only the Plan page."""
+    st.caption(f"Predictions of {plan.name}: {plan.cost_model_summary}")
+
+
 def sidebar() -> None:
     """The sidebar every page draws: the store, the plan picker and a plan JSON upload.
 

@@ -17,6 +17,7 @@ def main() -> None:
         return
     plan = selected.plan
     cluster = plan.cluster
+    _session.caption_prediction_source(plan)
     st.caption(f"{cluster.name}: {cluster.world_size} devices on {len(cluster.nodes)} node(s)")
     st.subheader("Nodes")
     st.dataframe(views.nodes_frame(cluster), hide_index=True)

@@ -17,6 +17,7 @@ def main() -> None:
         st.info(_session.PLAN_HINT)
         return
     plan = selected.plan
+    _session.caption_prediction_source(plan)
     st.plotly_chart(views.memory_figure(plan), key="memory")
     st.dataframe(views.memory_frame(plan).round(3), hide_index=True)
     st.subheader("Plan vs baselines")

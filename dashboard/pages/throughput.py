@@ -25,6 +25,7 @@ STUDY_HINT = (
 
 def _baselines(selected: _session.SelectedPlan) -> None:
     st.subheader("Plan vs baselines")
+    _session.caption_prediction_source(selected.plan)
     if not selected.baselines:
         st.info("No baselines for this plan (none saved and none could be scored).")
         return

@@ -91,6 +91,7 @@ def _show(entry: dict) -> None:
     result = entry["result"]
     st.subheader(f"Result: {entry['label']}")
     st.caption("Every page now shows this plan (sidebar: what-if).")
+    _session.caption_prediction_source(result.best)
     frame = throughput_views.throughput_frame(result.best, result.baselines, result.data_parallel)
     st.dataframe(frame, hide_index=True)
     speedup = result.speedup_over_data_parallel()

@@ -9,6 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from hexiseq.dashboard import _session
+from hexiseq.plan import Plan
 from hexiseq.store import Store
 
 APP = Path(__file__).parents[2] / "dashboard" / "app.py"
@@ -156,6 +157,7 @@ def test_a_whatif_error_clears_the_previous_result_and_its_save_button(empty_sto
     app.text_input(key="whatif_seq_len").set_value("8k")
     app.button[0].click().run()
     assert [b.key for b in app.button if b.key == "whatif_save"] == ["whatif_save"]
+    assert "Predictions of hexiseq: measured CPU peak" in texts(app)  # which cost model
     app.text_input(key="whatif_seq_len").set_value("8kk")
     app.button[0].click().run()
     assert_no_exception(app)
@@ -165,3 +167,18 @@ def test_a_whatif_error_clears_the_previous_result_and_its_save_button(empty_sto
     assert _session.WHATIF_KEY not in app.session_state
     with Store.open(empty_store_url) as store:
         assert store.list_plans() == []
+
+
+@pytest.mark.parametrize("page", ["plan", "cluster", "memory", "throughput"])
+def test_every_page_with_predictions_says_which_cost_model_made_them(page, populated_store):
+    with Store.open(populated_store.url) as store:
+        newest = max(r.id for r in store.list_plans() if r.label == "best")
+        summary = Plan.from_json_text(store.get_plan_json(newest)).cost_model_summary
+    app = open_page(populated_store.url, page)
+    assert_no_exception(app)
+    assert app.sidebar.selectbox[0].value == f"store:{newest}"
+    assert (
+        summary
+        and f"cost model: {summary}" in texts(app)
+        or (f"Predictions of hexiseq: {summary}" in texts(app))
+    )
