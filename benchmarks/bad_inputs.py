@@ -513,7 +513,7 @@ def whatif_form(d: Path, seq_len: str) -> None:
     app = AppTest.from_file(str(REPO / "dashboard" / "app.py"), default_timeout=60)
     app.session_state[_session.STORE_URL_KEY] = f"sqlite:///{d / 'dashboard.db'}"
     app.run()
-    app.switch_page("pages/whatif.py").run()
+    app.switch_page("screens/whatif.py").run()
     app.selectbox(key="whatif_cluster").set_value("cpu-emulated-2type")
     app.selectbox(key="whatif_model").set_value("tiny")
     app.text_input(key="whatif_seq_len").set_value(seq_len)

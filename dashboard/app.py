@@ -8,7 +8,9 @@ from pathlib import Path
 
 import streamlit as st
 
-PAGES = Path(__file__).parent / "pages"
+PAGES = Path(__file__).parent / "screens"
+"""The page scripts. Not `pages/`: Streamlit lists the files of a `pages/` folder beside the
+entry script as navigation, file names and all, on a deep link's first load."""
 
 
 def main() -> None:

@@ -282,7 +282,7 @@ def open_page(page: str, store_url: str, optuna_storage: str | None = None):
     app.session_state[_session.STORE_URL_KEY] = store_url
     app.session_state[_session.OPTUNA_STORAGE_KEY] = optuna_storage
     app.run()
-    app.switch_page(f"pages/{page}.py").run()
+    app.switch_page(f"screens/{page}.py").run()
     assert not app.exception, [e.value for e in app.exception]
     return app
 

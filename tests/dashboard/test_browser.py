@@ -28,3 +28,30 @@ def test_every_page_loads_without_error(chromium, populated_store, tmp_path):
         assert not check.exceptions, (check.page, check.exceptions)
         assert not check.errors, (check.page, check.errors)
         assert check.screenshot.stat().st_size > 10_000, check.page  # something was drawn
+
+
+NAV_TITLES = ["Plan", "Cluster", "Memory headroom", "Throughput", "Profiles", "What-if"]
+
+
+@pytest.mark.parametrize("first_page", ["profiles", "memory"])
+def test_a_deep_link_opened_first_shows_the_page_titles_as_navigation(
+    chromium, empty_store_url, first_page
+):
+    """A fresh server, `/profiles` loaded first: the sidebar listed file names (app, cluster,
+    memory, ...) from the page folder instead of the titles."""
+    from playwright.sync_api import sync_playwright
+
+    port = screenshots.free_port()
+    with (
+        screenshots.running_dashboard(empty_store_url, port) as base_url,
+        sync_playwright() as playwright,
+    ):
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(f"{base_url}/{first_page}")
+            links = page.locator('[data-testid="stSidebarNavLink"]')
+            links.first.wait_for(timeout=30_000)
+            assert links.all_inner_texts() == NAV_TITLES
+        finally:
+            browser.close()

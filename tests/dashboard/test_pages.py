@@ -24,7 +24,7 @@ def open_page(store_url: str, page: str, **state) -> AppTest:
     for key, value in state.items():
         app.session_state[key] = value
     app.run()
-    app.switch_page(f"pages/{page}.py").run()
+    app.switch_page(f"screens/{page}.py").run()
     return app
 
 
@@ -128,7 +128,7 @@ def test_whatif_search_shows_its_result_everywhere_and_saves_it(empty_store_url)
     with Store.open(empty_store_url) as store:
         labels = sorted(r.label for r in store.list_plans())
     assert labels == ["best", "ring-only", "ulysses-only", "uniform-usp"]
-    app.switch_page("pages/throughput.py").run()
+    app.switch_page("screens/throughput.py").run()
     assert_no_exception(app)
     assert len(app.get("plotly_chart")) >= 2  # plan vs baselines, search history
 
@@ -145,7 +145,7 @@ def test_the_plan_picked_in_the_sidebar_stays_picked_on_every_page(populated_sto
     assert chosen != newest and app.sidebar.selectbox[0].value == chosen
     for page in ("memory", "cluster", "whatif", "plan", "throughput"):  # throughput last: its
         # Optuna-storage box has a format_func AppTest cannot call outside a run
-        app.switch_page(f"pages/{page}.py").run()
+        app.switch_page(f"screens/{page}.py").run()
         assert_no_exception(app)
         assert app.sidebar.selectbox[0].value == chosen, page
 
