@@ -22,13 +22,27 @@ def _headline(selected: _session.SelectedPlan) -> None:
 
 
 def _layout(plan) -> None:
-    st.plotly_chart(views.segments_figure(plan), key="segments")
+    ranks = None
+    if plan.cluster.world_size > views.DETAIL_RANKS:
+        ranks = _node_drill_down(plan)
+    st.plotly_chart(views.segments_figure(plan, ranks), key="segments")
     heads, times = st.columns(2)
-    heads.plotly_chart(views.heads_figure(plan), key="heads")
-    times.plotly_chart(views.time_breakdown_figure(plan), key="times")
+    heads.plotly_chart(views.heads_figure(plan, ranks), key="heads")
+    times.plotly_chart(views.time_breakdown_figure(plan, ranks), key="times")
     st.subheader("Devices")
-    st.dataframe(views.assignments_frame(plan), hide_index=True)
+    st.dataframe(views.assignments_frame(plan, ranks), hide_index=True)
     st.caption(f"knobs: {plan.knobs}")
+
+
+def _node_drill_down(plan) -> list[int]:
+    """A large plan: one row per node, then the ranks of the node picked (per-rank figures of
+    every rank would make the page thousands of pixels tall)."""
+    st.subheader("Nodes")
+    st.dataframe(views.node_summary_frame(plan).round(3), hide_index=True)
+    by_node = views.node_ranks(plan)
+    node = st.selectbox("Ranks of node", list(by_node), key="plan_node")
+    st.caption(f"{plan.cluster.world_size} ranks: showing node {node}'s {len(by_node[node])}.")
+    return by_node[node]
 
 
 def _compare(plan) -> None:
@@ -40,6 +54,9 @@ def _compare(plan) -> None:
     st.dataframe(views.compare_plans_frame({"shown plan": plan, "second plan": other}))
     left, right = st.columns(2)
     for column, shown, tag in ((left, plan, "a"), (right, other, "b")):
+        if shown.cluster.world_size > views.DETAIL_RANKS:  # one row per node, not per rank
+            column.dataframe(views.node_summary_frame(shown).round(3), hide_index=True)
+            continue
         column.plotly_chart(views.segments_figure(shown), key=f"compare_segments_{tag}")
         column.plotly_chart(views.time_breakdown_figure(shown), key=f"compare_times_{tag}")
 

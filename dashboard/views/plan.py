@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pandas as pd
 import plotly.express as px
 import plotly.graph_objects as go
@@ -32,11 +34,13 @@ def rank_label(plan: Plan, rank: int) -> str:
     return f"r{rank} {plan.cluster.devices[rank].gpu}"
 
 
-def assignments_frame(plan: Plan) -> pd.DataFrame:
-    """One row per rank: node, GPU, HP group, heads, token ranges, tokens, predicted step part."""
+def assignments_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.DataFrame:
+    """One row per rank (of `ranks`, default all): node, GPU, HP group, heads, token ranges,
+    tokens, predicted step part."""
     layout = plan.attention_layout
     rows = []
-    for assignment, predicted in zip(plan.assignments, plan.predicted.ranks):
+    for rank in _ranks(plan, ranks):
+        assignment, predicted = plan.assignments[rank], plan.predicted.ranks[rank]
         low, high = assignment.head_range
         rows.append(
             {
@@ -58,8 +62,9 @@ def assignments_frame(plan: Plan) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def segments_frame(plan: Plan) -> pd.DataFrame:
-    """One row per owned token range: rank, group, start, end (half-open), tokens."""
+def segments_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.DataFrame:
+    """One row per owned token range (of `ranks`, default all): rank, group, start, end
+    (half-open), tokens."""
     layout = plan.attention_layout
     rows = [
         {
@@ -70,16 +75,16 @@ def segments_frame(plan: Plan) -> pd.DataFrame:
             "end": end,
             "tokens": end - start,
         }
-        for rank, ranges in enumerate(layout.token_ranges)
-        for start, end in ranges
+        for rank in _ranks(plan, ranks)
+        for start, end in layout.token_ranges[rank]
     ]
     return pd.DataFrame(rows)
 
 
-def segments_figure(plan: Plan) -> go.Figure:
-    """The zigzag chunks on the sequence axis: one row per rank, one bar per owned token range,
-    colored by HP group (one trace per group)."""
-    frame = segments_frame(plan)
+def segments_figure(plan: Plan, ranks: Sequence[int] | None = None) -> go.Figure:
+    """The zigzag chunks on the sequence axis: one row per rank (of `ranks`, default all), one
+    bar per owned token range, colored by HP group (one trace per group)."""
+    frame = segments_frame(plan, ranks)
     figure = go.Figure()
     for group, part in frame.groupby("group", sort=True):
         figure.add_trace(
@@ -95,7 +100,7 @@ def segments_figure(plan: Plan) -> go.Figure:
                 "<extra>group " + str(group) + "</extra>",
             )
         )
-    _per_rank_axis(figure, plan)
+    _per_rank_axis(figure, plan, ranks)
     figure.update_layout(
         title=f"Sequence segments ({plan.train.seq_len:,} tokens, generalized zigzag)",
         xaxis_title="token position",
@@ -105,11 +110,16 @@ def segments_figure(plan: Plan) -> go.Figure:
     return figure
 
 
-def heads_figure(plan: Plan) -> go.Figure:
-    """Each rank's query-head range inside attention, colored by HP group."""
+def heads_figure(plan: Plan, ranks: Sequence[int] | None = None) -> go.Figure:
+    """Each rank's (of `ranks`, default all) query-head range inside attention, colored by HP
+    group."""
     layout = plan.attention_layout
+    shown = set(_ranks(plan, ranks))
     figure = go.Figure()
-    for group, members in enumerate(layout.groups):
+    for group, everyone in enumerate(layout.groups):
+        members = [r for r in everyone if r in shown]
+        if not members:
+            continue
         figure.add_trace(
             go.Bar(
                 y=[rank_label(plan, r) for r in members],
@@ -121,7 +131,7 @@ def heads_figure(plan: Plan) -> go.Figure:
                 hovertemplate="%{y}: %{x} heads from %{base}<extra></extra>",
             )
         )
-    _per_rank_axis(figure, plan)
+    _per_rank_axis(figure, plan, ranks)
     figure.update_layout(
         title=f"Query heads per rank ({layout.num_heads} heads, {layout.num_kv_heads} K/V)",
         xaxis_title="query head",
@@ -131,10 +141,12 @@ def heads_figure(plan: Plan) -> go.Figure:
     return figure
 
 
-def time_breakdown_frame(plan: Plan) -> pd.DataFrame:
-    """Per rank, the predicted seconds of each `TIME_PARTS` term and their total (the step)."""
+def time_breakdown_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.DataFrame:
+    """Per rank (of `ranks`, default all), the predicted seconds of each `TIME_PARTS` term and
+    their total (the step)."""
     rows = []
-    for rank, predicted in enumerate(plan.predicted.ranks):
+    for rank in _ranks(plan, ranks):
+        predicted = plan.predicted.ranks[rank]
         row = {"rank": rank, "label": rank_label(plan, rank)}
         row.update({field: getattr(predicted, field) for field in TIME_PARTS})
         row["step_s"] = predicted.step_s
@@ -142,9 +154,9 @@ def time_breakdown_frame(plan: Plan) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def time_breakdown_figure(plan: Plan) -> go.Figure:
+def time_breakdown_figure(plan: Plan, ranks: Sequence[int] | None = None) -> go.Figure:
     """Stacked bars of `time_breakdown_frame`: one bar per rank, one trace per term."""
-    frame = time_breakdown_frame(plan)
+    frame = time_breakdown_frame(plan, ranks)
     figure = go.Figure(
         [
             go.Bar(
@@ -157,7 +169,7 @@ def time_breakdown_figure(plan: Plan) -> go.Figure:
             for field, name in TIME_PARTS.items()
         ]
     )
-    _per_rank_axis(figure, plan)
+    _per_rank_axis(figure, plan, ranks)
     figure.update_layout(
         title=f"Predicted step time per rank: {plan.predicted.step_time_s:.4g} s "
         f"[{plan.cost_model_summary}]",
@@ -167,11 +179,57 @@ def time_breakdown_figure(plan: Plan) -> go.Figure:
     return figure
 
 
-def _per_rank_axis(figure: go.Figure, plan: Plan) -> None:
+def _ranks(plan: Plan, ranks: Sequence[int] | None) -> list[int]:
+    return list(range(plan.cluster.world_size)) if ranks is None else sorted(ranks)
+
+
+def _per_rank_axis(figure: go.Figure, plan: Plan, ranks: Sequence[int] | None = None) -> None:
     """Ranks top to bottom in rank order, rows tall enough to read."""
-    labels = [rank_label(plan, rank) for rank in range(plan.cluster.world_size)]
+    labels = [rank_label(plan, rank) for rank in _ranks(plan, ranks)]
     figure.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed")
     figure.update_layout(height=160 + 22 * len(labels), legend_title_text="")
+
+
+DETAIL_RANKS = 32
+"""Plans of more ranks show one row per node, and the per-rank figures of one node at a time
+(a 128-rank plan made the Plan page 13,500 px tall)."""
+
+
+def node_ranks(plan: Plan) -> dict[str, list[int]]:
+    """Each node's ranks, in node order."""
+    ranks: dict[str, list[int]] = {node.name: [] for node in plan.cluster.nodes}
+    for device in plan.cluster.devices:
+        ranks[device.node].append(device.rank)
+    return ranks
+
+
+def node_summary_frame(plan: Plan) -> pd.DataFrame:
+    """One row per node: its GPU type and ranks, the tokens and heads its ranks hold, their
+    slowest predicted busy time and their memory (GiB, least and most, and the most as a
+    fraction of the device)."""
+    rows = []
+    for node, ranks in node_ranks(plan).items():
+        predicted = [plan.predicted.ranks[r] for r in ranks]
+        heads = [plan.attention_layout.num_heads_of(r) for r in ranks]
+        memory_GiB = [p.memory_bytes / GiB for p in predicted]
+        rows.append(
+            {
+                "node": node,
+                "gpu": plan.cluster.devices[ranks[0]].gpu,
+                "ranks": f"{ranks[0]}..{ranks[-1]}",
+                "devices": len(ranks),
+                "tokens": sum(plan.assignments[r].tokens for r in ranks),
+                "heads_per_rank": f"{min(heads)}-{max(heads)}" if min(heads) != max(heads)
+                else str(heads[0]),
+                "slowest_busy_s": max(p.busy_s for p in predicted),
+                "memory_GiB_min": min(memory_GiB),
+                "memory_GiB_max": max(memory_GiB),
+                "memory_fraction_max": max(
+                    p.memory_bytes / p.memory_capacity_bytes for p in predicted
+                ),
+            }
+        )  # fmt: skip
+    return pd.DataFrame(rows)
 
 
 def plan_summary(plan: Plan) -> dict[str, object]:

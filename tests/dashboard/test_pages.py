@@ -182,3 +182,21 @@ def test_every_page_with_predictions_says_which_cost_model_made_them(page, popul
         and f"cost model: {summary}" in texts(app)
         or (f"Predictions of hexiseq: {summary}" in texts(app))
     )
+
+
+def test_a_128_gpu_plan_page_shows_nodes_then_one_nodes_ranks(empty_store_url):
+    from hexiseq import plan_search
+
+    plan = plan_search("mix4-128", "llama3-8b", "1M").best
+    assert plan.cluster.world_size == 128
+    uploads = {"large.json": plan.to_json_text()}
+    app = open_page(empty_store_url, "plan", **{_session.UPLOADS_KEY: uploads})
+    assert_no_exception(app)
+    assert [s.value for s in app.subheader][:1] == ["Nodes"]
+    nodes = next(d.value for d in app.dataframe if "memory_fraction_max" in d.value.columns)
+    devices = next(d.value for d in app.dataframe if "token_ranges" in d.value.columns)
+    assert len(nodes) == len(plan.cluster.nodes)
+    assert len(devices) == plan.cluster.nodes[0].count  # node 0's ranks, not all 128
+    app.selectbox(key="plan_node").set_value(plan.cluster.nodes[-1].name).run()
+    devices = next(d.value for d in app.dataframe if "token_ranges" in d.value.columns)
+    assert list(devices["node"].unique()) == [plan.cluster.nodes[-1].name]

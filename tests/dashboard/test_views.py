@@ -304,3 +304,39 @@ def test_the_data_parallel_replicas_row_says_hexiseq_cannot_run_them():
     assert row["tokens_per_s"] == pytest.approx(result.data_parallel.tokens_per_s)
     assert row["plan_speedup"] == pytest.approx(result.speedup_over_data_parallel())
     assert "cannot run data-parallel replicas yet" in row["reason"]
+
+
+@pytest.fixture(scope="module")
+def large_plan():
+    from hexiseq import plan_search
+
+    return plan_search("mix4-128", "llama3-8b", "1M").best
+
+
+def test_a_large_plan_is_summarised_one_row_per_node(large_plan):
+    from hexiseq.dashboard.views import plan as plan_views
+
+    frame = plan_views.node_summary_frame(large_plan)
+    nodes = large_plan.cluster.nodes
+    assert large_plan.cluster.world_size == 128
+    assert list(frame["node"]) == [n.name for n in nodes]
+    assert list(frame["devices"]) == [n.count for n in nodes]
+    assert frame["tokens"].sum() == sum(a.tokens for a in large_plan.assignments)
+    first = plan_views.node_ranks(large_plan)[nodes[0].name]
+    assert frame.iloc[0]["slowest_busy_s"] == max(large_plan.predicted.ranks[r].busy_s
+                                                  for r in first)  # fmt: skip
+    assert (frame["memory_GiB_min"] <= frame["memory_GiB_max"]).all()
+    assert 0 < frame["memory_fraction_max"].max() <= 0.95
+
+
+def test_a_large_plans_figures_show_one_nodes_ranks(large_plan):
+    from hexiseq.dashboard.views import plan as plan_views
+
+    ranks = plan_views.node_ranks(large_plan)[large_plan.cluster.nodes[1].name]
+    for figure in (plan_views.segments_figure(large_plan, ranks),
+                   plan_views.heads_figure(large_plan, ranks),
+                   plan_views.time_breakdown_figure(large_plan, ranks)):  # fmt: skip
+        shown = {label for trace in figure.data for label in trace.y}
+        assert shown == {plan_views.rank_label(large_plan, r) for r in ranks}
+        assert figure.layout.height == 160 + 22 * len(ranks)
+    assert list(plan_views.assignments_frame(large_plan, ranks)["rank"]) == ranks
