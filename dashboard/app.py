@@ -8,9 +8,10 @@ from pathlib import Path
 
 import streamlit as st
 
+# The page scripts. Not pages/: Streamlit lists the files of a pages/ folder beside the entry
+# script as navigation, file names and all, on a deep link's first load. (A comment, not a
+# string: Streamlit's magic would print a bare string on every page.)
 PAGES = Path(__file__).parent / "screens"
-"""The page scripts. Not `pages/`: Streamlit lists the files of a `pages/` folder beside the
-entry script as navigation, file names and all, on a deep link's first load."""
 
 
 def main() -> None:
