@@ -15,6 +15,8 @@ from hexiseq.model import ModelSpec, model_presets
 from hexiseq.units import format_tokens, parse_seq_len
 
 DEFAULT_CLUSTER, DEFAULT_MODEL, DEFAULT_SEQ_LEN = "h100x8-a100x8", "llama-30b", "512k"
+COST_MODELS = ("auto", "datasheet", "fitted")
+"""The choices of `hexiseq plan --cost-model`, read from this dashboard's store."""
 
 
 def _index(options: list[str], default: str) -> int:
@@ -57,6 +59,15 @@ def _form() -> dict | None:
         pareto = right.checkbox(
             "Throughput vs memory headroom (Pareto front)", key="whatif_pareto"
         )
+        cost_model = right.radio(
+            "Cost model",
+            COST_MODELS,
+            horizontal=True,
+            key="whatif_cost_model",
+            help="auto: the store's newest fit for the GPU types it covers (fits that missed "
+            "their goal left to the datasheet), the datasheet elsewhere; fitted: the fit for "
+            "every type, forced",
+        )
         if not st.form_submit_button("Run the search"):
             return None
     return {
@@ -66,14 +77,17 @@ def _form() -> dict | None:
         "seq_len": seq_len,
         "budget_s": budget_s,
         "pareto": pareto,
+        "cost_model": cost_model,
     }
 
 
 def _search(inputs: dict) -> None:
     from hexiseq.search import plan_search
+    from hexiseq.search.predict import resolve_cost_model
 
     cluster = _cluster(inputs["preset"], inputs["upload"])
     model, seq_len = ModelSpec.preset(inputs["model"]), parse_seq_len(inputs["seq_len"])
+    cost = resolve_cost_model(inputs["cost_model"], _session.store(), cluster.gpu_types)
     with st.spinner(f"Searching plans for {model.name} on {cluster.name} ..."):
         result = plan_search(
             cluster,
@@ -81,6 +95,7 @@ def _search(inputs: dict) -> None:
             seq_len,
             time_budget_s=inputs["budget_s"] or None,
             multi_objective=inputs["pareto"],
+            cost_model=cost,
         )
     label = f"{model.name} on {cluster.name}, {format_tokens(seq_len)}"
     st.session_state[_session.WHATIF_KEY] = {"result": result, "label": label}

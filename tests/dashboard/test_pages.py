@@ -200,3 +200,19 @@ def test_a_128_gpu_plan_page_shows_nodes_then_one_nodes_ranks(empty_store_url):
     app.selectbox(key="plan_node").set_value(plan.cluster.nodes[-1].name).run()
     devices = next(d.value for d in app.dataframe if "token_ranges" in d.value.columns)
     assert list(devices["node"].unique()) == [plan.cluster.nodes[-1].name]
+
+
+def test_whatif_plans_with_the_stores_fitted_model(populated_store):
+    """It ignored a fitted model in the store: the plan was always the datasheet's."""
+    labels = {}
+    for choice in ("datasheet", "auto"):
+        app = open_page(populated_store.url, "whatif")
+        app.selectbox(key="whatif_cluster").set_value("cpu-emulated-2type")
+        app.selectbox(key="whatif_model").set_value("tiny")
+        app.text_input(key="whatif_seq_len").set_value("8k")
+        app.radio(key="whatif_cost_model").set_value(choice)
+        app.button[0].click().run()
+        assert_no_exception(app)
+        labels[choice] = app.session_state[_session.WHATIF_KEY]["result"].best.cost_model_summary
+    assert "fitted" not in labels["datasheet"]
+    assert labels["auto"].startswith("fitted"), labels["auto"]
