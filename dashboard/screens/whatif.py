@@ -6,17 +6,18 @@ from __future__ import annotations
 import streamlit as st
 import yaml
 
+from hexiseq.catalog import gpu_catalog
 from hexiseq.cluster import Cluster, cluster_presets
 from hexiseq.dashboard import _session
 from hexiseq.dashboard.views import plan as plan_views
 from hexiseq.dashboard.views import throughput as throughput_views
+from hexiseq.dashboard.views import whatif as whatif_views
 from hexiseq.errors import HexiseqError, InputError
 from hexiseq.model import ModelSpec, model_presets
 from hexiseq.units import format_tokens, parse_seq_len
 
 DEFAULT_CLUSTER, DEFAULT_MODEL, DEFAULT_SEQ_LEN = "h100x8-a100x8", "llama-30b", "512k"
-COST_MODELS = ("auto", "datasheet", "fitted")
-"""The choices of `hexiseq plan --cost-model`, read from this dashboard's store."""
+COST_MODELS = ("auto", "datasheet", "fitted")  # hexiseq plan --cost-model, from this store
 
 
 def _index(options: list[str], default: str) -> int:
@@ -34,19 +35,54 @@ def _cluster(preset: str, upload) -> Cluster:
     return Cluster.from_dict(document, source=f"cluster file {upload.name}")
 
 
+def _edited_cluster() -> Cluster:
+    """The preset or uploaded cluster, as edited in the nodes table and network fields (drawn
+    outside the form: they change with the cluster chosen)."""
+    presets = list(cluster_presets())
+    left, right = st.columns(2)
+    preset = left.selectbox(
+        "Cluster preset", presets, _index(presets, DEFAULT_CLUSTER), key="whatif_cluster"
+    )
+    upload = right.file_uploader(
+        "... or a cluster YAML", type=["yaml", "yml"], key="whatif_cluster_yaml"
+    )
+    base = _cluster(preset, upload)
+    st.caption("Edit the cluster: add or remove nodes (rows), change GPU types, counts and links.")
+    tag = f"{base.name}:{upload.name if upload is not None else ''}"
+    nodes = st.data_editor(
+        whatif_views.editable_nodes(base),
+        num_rows="dynamic",
+        hide_index=True,
+        key=f"whatif_nodes:{tag}",
+        column_config={
+            "gpu": st.column_config.SelectboxColumn("gpu", options=list(gpu_catalog())),
+            "count": st.column_config.NumberColumn("count", min_value=1, max_value=1024, step=1),
+            "intra_node_GBps": st.column_config.NumberColumn("intra-node GB/s", min_value=0.0),
+        },
+    )
+    bandwidth, latency = st.columns(2)
+    inter_node_GBps = bandwidth.number_input(
+        "Inter-node GB/s (per GPU, one direction)",
+        min_value=0.0,
+        value=float(base.inter_node_GBps),
+        key=f"whatif_inter_GBps:{tag}",
+    )
+    latency_us = latency.number_input(
+        "Inter-node latency, us",
+        min_value=0.0,
+        value=float(base.inter_node_latency_us),
+        key=f"whatif_latency_us:{tag}",
+    )
+    return whatif_views.edited_cluster(base, nodes, inter_node_GBps, latency_us)
+
+
 def _form() -> dict | None:
     """The search's inputs once the form is submitted, else None."""
-    presets, models = list(cluster_presets()), list(model_presets())
+    models = list(model_presets())
     with st.form("whatif"):
         left, right = st.columns(2)
-        preset = left.selectbox(
-            "Cluster preset", presets, _index(presets, DEFAULT_CLUSTER), key="whatif_cluster"
-        )
-        upload = left.file_uploader(
-            "... or a cluster YAML", type=["yaml", "yml"], key="whatif_cluster_yaml"
-        )
-        model = right.selectbox("Model", models, _index(models, DEFAULT_MODEL), key="whatif_model")
-        seq_len = right.text_input(
+        model = left.selectbox("Model", models, _index(models, DEFAULT_MODEL), key="whatif_model")
+        seq_len = left.text_input(
             "Sequence length (131072, 128k, 1M)", DEFAULT_SEQ_LEN, key="whatif_seq_len"
         )
         budget_s = right.number_input(
@@ -71,8 +107,6 @@ def _form() -> dict | None:
         if not st.form_submit_button("Run the search"):
             return None
     return {
-        "preset": preset,
-        "upload": upload,
         "model": model,
         "seq_len": seq_len,
         "budget_s": budget_s,
@@ -81,11 +115,10 @@ def _form() -> dict | None:
     }
 
 
-def _search(inputs: dict) -> None:
+def _search(cluster: Cluster, inputs: dict) -> None:
     from hexiseq.search import plan_search
     from hexiseq.search.predict import resolve_cost_model
 
-    cluster = _cluster(inputs["preset"], inputs["upload"])
     model, seq_len = ModelSpec.preset(inputs["model"]), parse_seq_len(inputs["seq_len"])
     cost = resolve_cost_model(inputs["cost_model"], _session.store(), cluster.gpu_types)
     with st.spinner(f"Searching plans for {model.name} on {cluster.name} ..."):
@@ -125,10 +158,17 @@ def _show(entry: dict) -> None:
 def main() -> None:
     st.title("What-if")
     _session.sidebar()
+    try:
+        cluster = _edited_cluster()
+    except HexiseqError as error:
+        cluster = None
+        st.error(str(error))
     inputs = _form()
     if inputs is not None:
         try:
-            _search(inputs)
+            if cluster is None:
+                raise InputError("fix the cluster above first")
+            _search(cluster, inputs)
         except HexiseqError as error:
             # The previous result must not stay on screen with a live Save button beside this
             # error: a wrong plan was saved that way.
