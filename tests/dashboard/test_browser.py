@@ -55,3 +55,37 @@ def test_a_deep_link_opened_first_shows_the_page_titles_as_navigation(
             assert links.all_inner_texts() == NAV_TITLES
         finally:
             browser.close()
+
+
+def test_a_cluster_edited_on_the_whatif_page_is_the_one_planned(chromium, empty_store_url):
+    """In Chromium: the a100-node's count edited from 8 to 4 in the nodes table, then the
+    search: the result is for the edited cluster (12 devices), not the preset."""
+    from playwright.sync_api import sync_playwright
+
+    port = screenshots.free_port()
+    with (
+        screenshots.running_dashboard(empty_store_url, port) as base_url,
+        sync_playwright() as playwright,
+    ):
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            page.goto(f"{base_url}/whatif")
+            grid = page.locator('[data-testid="stDataFrameResizable"]').first
+            grid.wait_for(timeout=30_000)
+            box = grid.bounding_box()
+            row_px = 35  # the header, then one row per node
+            page.wait_for_timeout(1_000)  # the grid takes clicks once it has drawn
+            page.mouse.click(box["x"] + 0.62 * box["width"], box["y"] + 2.5 * row_px)  # count
+            page.wait_for_timeout(300)
+            page.keyboard.type("4")
+            page.wait_for_timeout(300)
+            page.keyboard.press("Enter")
+            page.wait_for_timeout(2_000)  # the edit reaches the app
+            page.get_by_label("Sequence length (131072, 128k, 1M)").fill("64k")
+            page.get_by_role("button", name="Run the search").click()
+            result = page.get_by_text("Result:")
+            result.wait_for(timeout=60_000)
+            assert result.inner_text() == "Result: llama-30b on h100x8-a100x8 (edited), 64K"
+        finally:
+            browser.close()
