@@ -111,7 +111,7 @@ SCHEMA_VERSION = 2
 _SUPPORTED_BACKENDS = ("sqlite", "postgresql")
 _ALLOWED_URLS = (
     "allowed: sqlite:///PATH, sqlite:// (in memory), "
-    "postgresql://USER:PASSWORD@HOST/DB (needs the psycopg driver: pip install 'psycopg[binary]')"
+    "postgresql+psycopg://USER:PASSWORD@HOST/DB (needs psycopg 3: pip install 'hexiseq[postgres]')"
 )
 _IDS_SHOWN_IN_ERRORS = 5
 

@@ -224,7 +224,7 @@ def test_unparsable_url_is_input_error() -> None:
 def test_unsupported_dialect_is_input_error(url: str) -> None:
     with pytest.raises(
         InputError,
-        match=r"uses unsupported dialect .*allowed: sqlite:///PATH.*postgresql://.*psycopg",
+        match=r"unsupported dialect .*allowed: sqlite:///PATH.*postgresql\+psycopg://.*\[postgres\]",
     ):
         Store.open(url)
 
