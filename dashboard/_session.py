@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import streamlit as st
 
+from hexiseq.dashboard.views.plan import prediction_source_line
 from hexiseq.dashboard.views.records import BEST_LABEL, baseline_ids_of, plan_choice_label
 from hexiseq.errors import HexiseqError
 from hexiseq.plan import InfeasiblePlan, Plan
@@ -209,7 +210,7 @@ def selected_plan() -> SelectedPlan | None:
 def caption_prediction_source(plan: Plan) -> None:
     """Which cost model made the plan's numbers (datasheet or fitted, per GPU type where they
     differ): on every page that shows predictions, not only the Plan page."""
-    st.caption(f"Predictions of {plan.name}: {plan.cost_model_summary}")
+    st.caption(prediction_source_line(plan))
 
 
 def sidebar() -> None:

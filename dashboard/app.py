@@ -14,19 +14,25 @@ import streamlit as st
 PAGES = Path(__file__).parent / "screens"
 
 
+PAGE_TABLE = (
+    ("plan.py", "Plan", "plan"),
+    ("cluster.py", "Cluster", "cluster"),
+    ("memory.py", "Memory headroom", "memory"),
+    ("throughput.py", "Throughput", "throughput"),
+    ("profiles.py", "Profiles", "profiles"),
+    ("whatif.py", "What-if", "whatif"),
+)
+# Script, navigation title, URL path: each explicit, so what a deep link shows and where it
+# leads never depend on file names. The first page is the default (served at /).
+
+
 def main() -> None:
     st.set_page_config(page_title="hexiseq", layout="wide")
-    navigation = st.navigation(
-        [
-            st.Page(PAGES / "plan.py", title="Plan", default=True),
-            st.Page(PAGES / "cluster.py", title="Cluster"),
-            st.Page(PAGES / "memory.py", title="Memory headroom"),
-            st.Page(PAGES / "throughput.py", title="Throughput"),
-            st.Page(PAGES / "profiles.py", title="Profiles"),
-            st.Page(PAGES / "whatif.py", title="What-if"),
-        ]
-    )
-    navigation.run()
+    pages = [
+        st.Page(PAGES / script, title=title, url_path=url_path, default=index == 0)
+        for index, (script, title, url_path) in enumerate(PAGE_TABLE)
+    ]
+    st.navigation(pages).run()
 
 
 main()

@@ -40,6 +40,7 @@ PAGES = {
 CHROMIUM_PATHS = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
 STARTUP_TIMEOUT_S = 45.0
 PAGE_TIMEOUT_S = 30.0
+STOP_TIMEOUT_S = 10.0
 SETTLE_S = 1.0
 """Quiet time after a page's script finished, for plotly to draw."""
 MAX_HEIGHT_PX = 5000
@@ -106,13 +107,27 @@ def _wait_healthy(base_url: str, process: subprocess.Popen) -> None:
 
 
 def _stop(process: subprocess.Popen) -> None:
+    """Stop the dashboard's whole process group: `hexiseq dashboard` and the Streamlit server it
+    runs. A server with a browser session open can outlive SIGTERM (servers were left behind
+    by the browser tests), so whatever is left of the group after STOP_TIMEOUT_S is killed."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=10)
-    except subprocess.TimeoutExpired:
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    while time.monotonic() < deadline and _group_alive(process):
+        time.sleep(0.2)
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    process.wait()
+
+
+def _group_alive(process: subprocess.Popen) -> bool:
+    """Whether any process of the dashboard's group is left (its leader reaped when done)."""
+    process.poll()
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def check_pages(base_url: str, out_dir: Path | None, chromium: str) -> list[PageCheck]:
@@ -134,7 +149,7 @@ def check_pages(base_url: str, out_dir: Path | None, chromium: str) -> list[Page
 def _check_page(page, url: str, name: str, out_dir: Path | None) -> PageCheck:
     page.goto(url, timeout=PAGE_TIMEOUT_S * 1000)
     page.wait_for_selector("h1", timeout=PAGE_TIMEOUT_S * 1000)
-    _wait_until_idle(page)
+    wait_until_idle(page)
     exceptions = page.locator('[data-testid="stException"]').all_inner_texts()
     if "Traceback" in page.inner_text("body") and not exceptions:
         exceptions = ["a traceback is shown"]
@@ -152,7 +167,7 @@ def _screenshot_whole_page(page, path: Path) -> None:
     viewport = page.viewport_size
     height = page.evaluate(_CONTENT_HEIGHT_JS)
     page.set_viewport_size({"width": viewport["width"], "height": min(height, MAX_HEIGHT_PX)})
-    _wait_until_idle(page)  # plotly redraws at the new size
+    wait_until_idle(page)  # plotly redraws at the new size
     page.screenshot(path=str(path), full_page=True)
     page.set_viewport_size(viewport)
 
@@ -161,7 +176,7 @@ _CONTENT_HEIGHT_JS = """() => Math.max(document.body.scrollHeight,
     ...Array.from(document.querySelectorAll('[data-testid="stMain"]')).map(e => e.scrollHeight))"""
 
 
-def _wait_until_idle(page) -> None:
+def wait_until_idle(page) -> None:
     """Until Streamlit's "running" indicator has been gone for SETTLE_S."""
     deadline = time.monotonic() + PAGE_TIMEOUT_S
     quiet_since = None

@@ -13,8 +13,9 @@ def _headline(selected: _session.SelectedPlan) -> None:
     plan = selected.plan
     st.caption(
         f"{plan.name} from {selected.source}: {plan.model.name} on {plan.cluster.name}, "
-        f"{plan.train.seq_len:,} tokens; cost model: {plan.cost_model_summary}"
+        f"{plan.train.seq_len:,} tokens"
     )
+    _session.caption_prediction_source(plan)
     tokens, step, memory = st.columns(3)
     tokens.metric("tokens/s (predicted)", f"{plan.predicted.tokens_per_s:,.1f}")
     step.metric("step time", f"{plan.predicted.step_time_s:.4g} s")

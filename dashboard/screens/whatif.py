@@ -150,31 +150,47 @@ def _show(entry: dict) -> None:
         )
     st.plotly_chart(plan_views.segments_figure(result.best), key="whatif_segments")
     if st.button("Save the plan and its baselines to the store", key="whatif_save"):
-        plan_id = _session.save_result(result)
+        try:
+            plan_id = _session.save_result(result)
+        except HexiseqError as error:
+            st.error(str(error))
+            return
         shown = _session.shown_store_url()
         st.success(f"Saved to {shown} as plan {plan_id} (baselines beside it).")
 
 
-def main() -> None:
-    st.title("What-if")
-    _session.sidebar()
+def _forget_result() -> None:
+    """Drop the previous search's result: it must not stay on screen (or in the sidebar) with a
+    live Save button beside an error - a wrong plan was saved that way."""
+    st.session_state.pop(_session.WHATIF_KEY, None)
+
+
+def _run_search() -> None:
+    """The cluster editor and the form; the search when the form is submitted. Any error is one
+    line, and leaves no result behind."""
     try:
         cluster = _edited_cluster()
     except HexiseqError as error:
-        cluster = None
+        _forget_result()
         st.error(str(error))
+        cluster = None
     inputs = _form()
-    if inputs is not None:
-        try:
-            if cluster is None:
-                raise InputError("fix the cluster above first")
-            _search(cluster, inputs)
-        except HexiseqError as error:
-            # The previous result must not stay on screen with a live Save button beside this
-            # error: a wrong plan was saved that way.
-            st.session_state.pop(_session.WHATIF_KEY, None)
-            st.error(str(error))
-            return
+    if inputs is None:
+        return
+    _forget_result()  # before searching: whatever fails below, the old result is gone
+    try:
+        if cluster is None:
+            raise InputError("fix the cluster above first")
+        _search(cluster, inputs)
+    except HexiseqError as error:
+        st.error(str(error))
+
+
+def main() -> None:
+    st.title("What-if")
+    _session.store()  # a store that cannot be opened stops here, with one line
+    _run_search()
+    _session.sidebar()  # after the search: a result an error cleared is not offered there
     entry = st.session_state.get(_session.WHATIF_KEY)
     if entry is None:
         st.info("Choose a cluster, a model and a sequence length, then run the search.")

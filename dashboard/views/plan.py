@@ -232,6 +232,29 @@ def node_summary_frame(plan: Plan) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def cost_model_kind(label: str) -> str:
+    """ "fitted" or "datasheet": the kind of cost model behind a `Prediction.cost_model` label
+    ("fitted (profile run 3, ...)", "datasheet estimate", "measured CPU peak" - a datasheet
+    roofline whose CPU peak was measured)."""
+    return "fitted" if label.startswith("fitted") else "datasheet"
+
+
+def prediction_source_line(plan: Plan) -> str:
+    """The one line every page with predictions shows: whether the plan's numbers come from the
+    datasheet or a fitted cost model, per GPU type where the types differ (from the plan's
+    `predicted.cost_model`)."""
+    described = {
+        gpu: label if label.startswith(cost_model_kind(label)) else f"datasheet: {label}"
+        for gpu, label in plan.predicted.cost_model.items()
+    }
+    if not described:
+        return f"Predictions of {plan.name}: cost model not recorded in the plan"
+    if len(set(described.values())) == 1:
+        return f"Predictions of {plan.name}: {next(iter(described.values()))}"
+    per_type = "; ".join(f"{gpu} {text}" for gpu, text in described.items())
+    return f"Predictions of {plan.name}: {per_type}"
+
+
 def plan_summary(plan: Plan) -> dict[str, object]:
     """The headline numbers of a plan, for metrics and side-by-side comparison."""
     layout = plan.attention_layout

@@ -89,3 +89,37 @@ def test_a_cluster_edited_on_the_whatif_page_is_the_one_planned(chromium, empty_
             assert result.inner_text() == "Result: llama-30b on h100x8-a100x8 (edited), 64K"
         finally:
             browser.close()
+
+
+def test_the_plan_picked_in_the_sidebar_stays_picked_across_the_navigation(
+    chromium, populated_store
+):
+    """In Chromium: a plan other than the newest picked in the sidebar, then each page opened
+    by its navigation link: the sidebar still shows that plan."""
+    from playwright.sync_api import sync_playwright
+
+    port = screenshots.free_port()
+    with (
+        screenshots.running_dashboard(populated_store.url, port) as base_url,
+        sync_playwright() as playwright,
+    ):
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(base_url)
+            picker = page.locator('[data-testid="stSidebar"] [data-testid="stSelectbox"] input')
+            picker.first.wait_for(timeout=30_000)
+            screenshots.wait_until_idle(page)
+            newest = picker.first.input_value()
+            picker.first.click()
+            page.locator('[role="option"]').nth(1).click()
+            screenshots.wait_until_idle(page)
+            chosen = picker.first.input_value()
+            assert chosen != newest
+            for title in NAV_TITLES[1:] + NAV_TITLES[:1]:
+                page.locator('[data-testid="stSidebarNavLink"]', has_text=title).click()
+                page.get_by_role("heading", name=title, exact=True).wait_for(timeout=30_000)
+                screenshots.wait_until_idle(page)
+                assert picker.first.input_value() == chosen, title
+        finally:
+            browser.close()

@@ -9,6 +9,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from hexiseq.dashboard import _session
+from hexiseq.dashboard.views import plan as plan_views
 from hexiseq.plan import Plan
 from hexiseq.store import Store
 
@@ -133,6 +134,23 @@ def test_whatif_search_shows_its_result_everywhere_and_saves_it(empty_store_url)
     assert len(app.get("plotly_chart")) >= 2  # plan vs baselines, search history
 
 
+WIDGET_KINDS = ("selectbox", "text_input", "number_input", "radio", "checkbox", "button")
+
+
+def without_widget_state(app: AppTest, page: str) -> AppTest:
+    """`page` run in a fresh AppTest holding the session's own state (`st.session_state`) but
+    none of its widgets' state: what is left when Streamlit deletes the state of widgets a run
+    did not draw."""
+    widget_keys = {w.key for kind in WIDGET_KINDS for w in app.get(kind)}
+    later = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S)
+    for key, value in app.session_state.items():
+        if key not in widget_keys:
+            later.session_state[key] = value
+    later.run()
+    later.switch_page(f"screens/{page}.py").run()
+    return later
+
+
 def test_the_plan_picked_in_the_sidebar_stays_picked_on_every_page(populated_store):
     """It reset to the newest plan on each page switch: a user read another plan's memory."""
     with Store.open(populated_store.url) as store:
@@ -140,48 +158,92 @@ def test_the_plan_picked_in_the_sidebar_stays_picked_on_every_page(populated_sto
     app = open_page(populated_store.url, "plan")
     newest = app.sidebar.selectbox[0].value
     chosen = f"store:{oldest}"
-    app.session_state[_session.PLAN_CHOICE_KEY] = chosen  # the user's pick in the sidebar
-    app.run()
-    assert chosen != newest and app.sidebar.selectbox[0].value == chosen
-    for page in ("memory", "cluster", "whatif", "plan", "throughput"):  # throughput last: its
-        # Optuna-storage box has a format_func AppTest cannot call outside a run
+    assert chosen != newest
+    app.sidebar.selectbox[0].set_value(chosen).run()  # the user's pick in the sidebar
+    assert f"from store plan #{oldest}:" in texts(app)
+    # Throughput last: AppTest cannot call its Optuna-storage box's format_func outside a run.
+    for page in ("memory", "cluster", "whatif", "profiles", "plan", "throughput"):
         app.switch_page(f"screens/{page}.py").run()
         assert_no_exception(app)
         assert app.sidebar.selectbox[0].value == chosen, page
+        if page == "plan":
+            assert f"from store plan #{oldest}:" in texts(app)  # and draws that plan
+            # Streamlit drops a widget's state after a run that did not draw it: the pick
+            # must come back all the same.
+            later = without_widget_state(app, "memory")
+            assert_no_exception(later)
+            assert later.sidebar.selectbox[0].value == chosen, "after the widget state went"
 
 
-def test_a_whatif_error_clears_the_previous_result_and_its_save_button(empty_store_url):
-    app = open_page(empty_store_url, "whatif")
+def search_tiny(app: AppTest, seq_len: str = "8k", cost_model: str = "auto") -> AppTest:
+    """Fill the what-if form (the tiny model on the 2-type CPU cluster) and submit it."""
     app.selectbox(key="whatif_cluster").set_value("cpu-emulated-2type")
     app.selectbox(key="whatif_model").set_value("tiny")
-    app.text_input(key="whatif_seq_len").set_value("8k")
-    app.button[0].click().run()
-    assert [b.key for b in app.button if b.key == "whatif_save"] == ["whatif_save"]
-    assert "Predictions of hexiseq: measured CPU peak" in texts(app)  # which cost model
-    app.text_input(key="whatif_seq_len").set_value("8kk")
-    app.button[0].click().run()
-    assert_no_exception(app)
-    assert len(app.error) == 1 and "8kk" in app.error[0].value
+    app.text_input(key="whatif_seq_len").set_value(seq_len)
+    app.radio(key="whatif_cost_model").set_value(cost_model)
+    return app.button[0].click().run()  # the form's submit button
+
+
+def assert_no_whatif_result(app: AppTest) -> None:
+    """No result, no Save button, and no what-if plan to pick in the sidebar."""
     assert not [b for b in app.button if b.key == "whatif_save"]  # nothing to save
     assert not [h for h in app.subheader if h.value.startswith("Result")]
     assert _session.WHATIF_KEY not in app.session_state
+    assert all(_session.WHATIF_CHOICE not in box.options for box in app.sidebar.selectbox)
+
+
+def test_a_whatif_error_clears_the_previous_result_and_its_save_button(empty_store_url):
+    """A failed search left the previous result on screen with a live Save button: a wrong
+    plan was saved that way."""
+    app = search_tiny(open_page(empty_store_url, "whatif"))
+    assert [b.key for b in app.button if b.key == "whatif_save"] == ["whatif_save"]
+    assert app.sidebar.selectbox[0].value == _session.WHATIF_CHOICE
+    search_tiny(app, seq_len="8kk")
+    assert_no_exception(app)
+    assert len(app.error) == 1 and "8kk" in app.error[0].value
+    assert_no_whatif_result(app)
+    app.run()  # and it stays gone on the next run
+    assert_no_whatif_result(app)
     with Store.open(empty_store_url) as store:
         assert store.list_plans() == []
 
 
-@pytest.mark.parametrize("page", ["plan", "cluster", "memory", "throughput"])
+def test_a_cluster_error_on_the_whatif_page_clears_the_previous_result(
+    empty_store_url, monkeypatch
+):
+    """The cluster edited into something invalid (a node row left empty): one error line, and
+    the previous result goes with its Save button."""
+    from hexiseq.dashboard.views import whatif as whatif_views
+    from hexiseq.errors import InputError
+
+    app = search_tiny(open_page(empty_store_url, "whatif"))
+    assert [b.key for b in app.button if b.key == "whatif_save"] == ["whatif_save"]
+
+    def invalid(*_args):
+        raise InputError("cluster edited: node 3 has no GPU type")
+
+    monkeypatch.setattr(whatif_views, "edited_cluster", invalid)
+    app.run()
+    assert_no_exception(app)
+    assert [e.value for e in app.error] == ["cluster edited: node 3 has no GPU type"]
+    assert_no_whatif_result(app)
+
+
+@pytest.mark.parametrize("page", ["plan", "cluster", "memory", "throughput", "whatif"])
 def test_every_page_with_predictions_says_which_cost_model_made_them(page, populated_store):
+    """It showed only on the Plan page: the other pages' numbers did not say whether they were
+    the datasheet's or a fit's. One caption, from one helper, on each page."""
     with Store.open(populated_store.url) as store:
         newest = max(r.id for r in store.list_plans() if r.label == "best")
-        summary = Plan.from_json_text(store.get_plan_json(newest)).cost_model_summary
+        plan = Plan.from_json_text(store.get_plan_json(newest))
     app = open_page(populated_store.url, page)
+    if page == "whatif":  # its predictions are the search's: run one (the datasheet's)
+        search_tiny(app, cost_model="datasheet")
+        plan = app.session_state[_session.WHATIF_KEY]["result"].best
     assert_no_exception(app)
-    assert app.sidebar.selectbox[0].value == f"store:{newest}"
-    assert (
-        summary
-        and f"cost model: {summary}" in texts(app)
-        or (f"Predictions of hexiseq: {summary}" in texts(app))
-    )
+    line = plan_views.prediction_source_line(plan)
+    assert line.startswith(f"Predictions of {plan.name}: ")
+    assert [c.value for c in app.caption].count(line) == 1, texts(app)
 
 
 def test_a_128_gpu_plan_page_shows_nodes_then_one_nodes_ranks(empty_store_url):

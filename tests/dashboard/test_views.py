@@ -340,3 +340,37 @@ def test_a_large_plans_figures_show_one_nodes_ranks(large_plan):
         assert shown == {plan_views.rank_label(large_plan, r) for r in ranks}
         assert figure.layout.height == 160 + 22 * len(ranks)
     assert list(plan_views.assignments_frame(large_plan, ranks)["rank"]) == ranks
+
+
+def with_cost_model(plan, cost_model: dict[str, str]):
+    """The plan as if `cost_model` (GPU type -> label) had predicted it."""
+    import dataclasses
+
+    return dataclasses.replace(
+        plan, predicted=dataclasses.replace(plan.predicted, cost_model=cost_model)
+    )
+
+
+def test_prediction_source_line_says_datasheet_or_fitted(tiny_result):
+    plan = tiny_result.best
+    line = plan_views.prediction_source_line
+    assert line(
+        with_cost_model(plan, {"H100-SXM": "datasheet estimate", "A100-80G": "datasheet estimate"})
+    ) == (  # fmt: skip
+        f"Predictions of {plan.name}: datasheet estimate"
+    )
+    assert line(with_cost_model(plan, {"cpu": "measured CPU peak"})) == (
+        f"Predictions of {plan.name}: datasheet: measured CPU peak"
+    )
+    mixed = {"H100-SXM": "fitted (profile run 3, 2026-11-22)", "A100-80G": "datasheet estimate"}
+    assert line(with_cost_model(plan, mixed)) == (
+        f"Predictions of {plan.name}: H100-SXM fitted (profile run 3, 2026-11-22); "
+        "A100-80G datasheet estimate"
+    )
+    assert "not recorded" in line(with_cost_model(plan, {}))
+
+
+def test_cost_model_kind_of_every_label():
+    assert plan_views.cost_model_kind("fitted (profile run 1, 2026-11-22)") == "fitted"
+    assert plan_views.cost_model_kind("datasheet estimate") == "datasheet"
+    assert plan_views.cost_model_kind("measured CPU peak") == "datasheet"
