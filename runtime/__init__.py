@@ -21,6 +21,8 @@ sequence sharded by an `AttentionLayout` over a process group (default: the worl
 - `replicas`      data-parallel replicas over CP-HP meshes: each replica its own group, layout
                   and sequences per step; gradients summed over the world, token-weighted
 - `train`         the torchrun train loop of a plan, measured into the store
+- `_startup`      pure: is a rank torchrun started where the plan puts it (checked before any
+                  communication: world size, node, local rank, GPU type)
 - `hf`            a plan applied to a user's Hugging Face Llama/Qwen2 model (attention swapped)
 - `_emulation`    emulated slower devices: compute phases padded by sleeping
 

@@ -50,6 +50,12 @@ import torch.distributed as dist
 from hexiseq.errors import HexiseqError, InputError
 from hexiseq.plan import Plan
 from hexiseq.runtime._emulation import ComputePadding
+from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placement_error: API)
+    FoundDevice,
+    check_world_size,
+    placement_error,
+    rank_start_error,
+)
 from hexiseq.runtime.attention import CPHPAttention
 from hexiseq.runtime.kernels import take_used_kernels
 from hexiseq.runtime.loss import (
@@ -163,9 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         plan = Plan.from_json(options.plan_path)
-        check_world_size(plan)
-        if uses_cuda(options):
-            check_cuda_device(plan, int(os.environ.get("RANK", "0")), local_rank_of(os.environ))
+        check_rank_start(plan, options)
     except HexiseqError as error:
         print(f"hexiseq.runtime.train: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -184,49 +188,6 @@ def allocator_settings(current: str) -> str:
     return f"{current},{EXPANDABLE_SEGMENTS}" if current else EXPANDABLE_SEGMENTS
 
 
-def check_world_size(plan: Plan, environ: Mapping[str, str] = os.environ) -> None:
-    """Before any communication: torchrun's world must have one rank per device of the plan,
-    and this rank must sit where the plan puts it (`placement_error`)."""
-    world_size = int(environ.get("WORLD_SIZE", "0"))
-    if world_size != plan.cluster.world_size:
-        raise InputError(
-            f"plan '{plan.name}' is for {plan.cluster.world_size} ranks but torchrun started "
-            f"{world_size or 'none (run under torchrun)'}; use --nproc-per-node "
-            f"{plan.cluster.world_size}"
-        )
-    error = placement_error(
-        plan,
-        int(environ.get("RANK", "0")),
-        int(environ.get("LOCAL_RANK", environ.get("RANK", "0"))),
-        int(environ.get("LOCAL_WORLD_SIZE", str(world_size))),
-    )
-    if error is not None:
-        raise InputError(error)
-
-
-def placement_error(plan: Plan, rank: int, local_rank: int, local_world_size: int) -> str | None:
-    """Why torchrun's rank `rank` (local rank `local_rank` of `local_world_size` on its
-    machine) is not where the plan puts it, or None: either every rank on one machine
-    (`hexiseq run`), or the plan's node of that rank with exactly its devices
-    (`hexiseq run --node-rank K`, torchrun --nnodes)."""
-    if not 0 <= rank < plan.cluster.world_size:
-        return (
-            f"rank {rank} is outside plan '{plan.name}' (ranks 0..{plan.cluster.world_size - 1})"
-        )
-    device = plan.cluster.devices[rank]
-    node = next(n for n in plan.cluster.nodes if n.name == device.node)
-    one_machine = local_world_size == plan.cluster.world_size and local_rank == rank
-    its_node = local_world_size == node.count and local_rank == device.local_rank
-    if one_machine or its_node:
-        return None
-    return (
-        f"rank {rank} runs as local rank {local_rank} of {local_world_size} on its machine, but "
-        f"plan '{plan.name}' puts it at local rank {device.local_rank} of node {device.node}'s "
-        f"{node.count} {device.gpu} device(s) (or every rank on one machine); start node "
-        "K with `hexiseq run --node-rank K` (`--print-launch` shows each node's command)"
-    )
-
-
 def uses_cuda(options: TrainOptions) -> bool:
     return options.device == "cuda" or (options.device == "auto" and torch.cuda.is_available())
 
@@ -235,19 +196,23 @@ def local_rank_of(environ: Mapping[str, str]) -> int:
     return int(environ.get("LOCAL_RANK", "0"))
 
 
-def check_cuda_device(plan: Plan, rank: int, local_rank: int) -> None:
-    """Before any communication: cuda:`local_rank` is of the GPU type the plan gave `rank`."""
-    from hexiseq.catalog import catalog_type_for
+def check_rank_start(plan: Plan, options: TrainOptions) -> None:
+    """Before any communication: this rank is where the plan puts it (`rank_start_error`),
+    on CUDA on the planned GPU type; InputError (one line) otherwise."""
+    error = rank_start_error(plan, os.environ)
+    if error is None and uses_cuda(options):
+        error = rank_start_error(plan, os.environ, found_cuda_device(local_rank_of(os.environ)))
+    if error is not None:
+        raise InputError(error)
 
-    name = torch.cuda.get_device_name(local_rank)
+
+def found_cuda_device(local_rank: int) -> FoundDevice:
+    """The driver's name and memory of cuda:`local_rank`, if this machine has it."""
+    devices_here = torch.cuda.device_count()
+    if local_rank >= devices_here:
+        return FoundDevice("", 0.0, devices_here)
     memory_GiB = torch.cuda.get_device_properties(local_rank).total_memory / 2**30
-    found = catalog_type_for(name, memory_GiB)
-    planned = plan.assignments[rank].gpu
-    if found != planned:
-        raise InputError(
-            f"rank {rank} is planned on a {planned} but its device cuda:{local_rank} is a "
-            f"{name} ({found or 'not in the catalog'}); plan for the devices you run on"
-        )
+    return FoundDevice(torch.cuda.get_device_name(local_rank), memory_GiB, devices_here)
 
 
 def init_rank(plan: Plan, options: TrainOptions) -> RankContext:

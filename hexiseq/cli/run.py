@@ -201,6 +201,11 @@ def launch_text(args: argparse.Namespace, plan) -> str:
         f"# every node needs the same plan file at {args.plan}"
         + ("" if args.no_store else f" and the store URL in ${STORE_URL_ENV}"),
     ]
+    if args.master is None:
+        lines.append(
+            f"# {DEFAULT_MASTER} is the default: for nodes on other machines give --master "
+            "with node 0's address, reachable from every node, and a free port"
+        )
     for share in shares:
         node_args = argparse.Namespace(**{**vars(args), "node_rank": share.index,
                                           "master": master})  # fmt: skip
@@ -267,12 +272,11 @@ def _fail_unended_runs(args: argparse.Namespace, launch_id: str, failure: str) -
 
 def check_run_devices(plan, device: str, node_rank: int | None = None) -> None:
     """Before any process group forms: `--device cuda` needs, on this machine, one CUDA device
-    per rank of the plan (of node `node_rank` only, on a multi-node launch), each of the GPU
-    type the plan put there; `auto` checks the same when CUDA is there (else the ranks run on
-    the CPU)."""
+    per rank of the plan (of node `node_rank` only, on a multi-node launch: its ranks at
+    cuda:`Device.local_rank`), each of the GPU type the plan put there; `auto` checks the same
+    when CUDA is there (else the ranks run on the CPU). The type check is the one each rank
+    runs again under torchrun (`hexiseq.runtime._startup`)."""
     import torch
-
-    from hexiseq.catalog import catalog_type_for
 
     available = torch.cuda.is_available()
     if not available:
@@ -282,25 +286,28 @@ def check_run_devices(plan, device: str, node_rank: int | None = None) -> None:
                 "--device cpu (or auto)"
             )
         return
-    first, count = 0, plan.cluster.world_size  # one machine: every rank, cuda:rank
-    where = ""
-    if node_rank is not None:  # node K's ranks, cuda:0.. in rank order
-        share = node_share(plan, node_rank)
-        first, count = share.first_rank, share.count
-        where = f" on node {share.index} ({share.name})"
-    if torch.cuda.device_count() < count:
+    from hexiseq.runtime._startup import FoundDevice, device_type_error
+
+    ranks, where = _ranks_here(plan, node_rank)
+    devices_here = torch.cuda.device_count()
+    if devices_here < len(ranks):
         raise InputError(
-            f"the plan has {count} ranks{where}, one per device, but this machine has "
-            f"{torch.cuda.device_count()} CUDA device(s); plan for the devices you run on"
+            f"the plan has {len(ranks)} ranks{where}, one per device, but this machine has "
+            f"{devices_here} CUDA device(s); plan for the devices you run on"
         )
-    for local in range(count):
-        rank = first + local
-        name = torch.cuda.get_device_name(local)
+    for rank, local in ranks:
         memory_GiB = torch.cuda.get_device_properties(local).total_memory / 2**30
-        found = catalog_type_for(name, memory_GiB)
-        planned = plan.assignments[rank].gpu
-        if found != planned:
-            raise InputError(
-                f"rank {rank} is planned on a {planned} but cuda:{local} is a {name} "
-                f"({found or 'not in the catalog'}); plan for the devices you run on"
-            )
+        found = FoundDevice(torch.cuda.get_device_name(local), memory_GiB, devices_here)
+        error = device_type_error(plan, rank, local, found)
+        if error is not None:
+            raise InputError(error)
+
+
+def _ranks_here(plan, node_rank: int | None) -> tuple[list[tuple[int, int]], str]:
+    """(global rank, CUDA index) of each rank this machine runs, and where that is: every rank
+    at cuda:rank on one machine, or node K's at cuda:`Device.local_rank`."""
+    if node_rank is None:
+        return [(rank, rank) for rank in range(plan.cluster.world_size)], ""
+    share = node_share(plan, node_rank)
+    devices = plan.cluster.devices[share.first_rank : share.first_rank + share.count]
+    return [(d.rank, d.local_rank) for d in devices], f" on node {share.index} ({share.name})"

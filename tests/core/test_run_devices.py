@@ -40,7 +40,9 @@ def test_too_few_devices_are_refused(paper_plan, monkeypatch):
 
 def test_a_device_of_another_type_is_refused(paper_plan, monkeypatch):
     fake_cuda(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 16)
-    with pytest.raises(InputError, match="rank 8 is planned on a A100-80G but cuda:8 is"):
+    with pytest.raises(
+        InputError, match="rank 8 is planned on a A100-80G but its device cuda:8 is"
+    ):
         check_run_devices(paper_plan, "cuda")
     fake_cuda(monkeypatch, ["NVIDIA H100 80GB HBM3"] * 8 + ["NVIDIA A100-SXM4-80GB"] * 8)
     check_run_devices(paper_plan, "cuda")  # the devices the plan was made for
@@ -50,7 +52,9 @@ def test_a_node_launch_checks_only_that_nodes_devices(paper_plan, monkeypatch):
     """`hexiseq run --node-rank 1`: node 1's eight A100s are cuda:0..7 of its machine."""
     fake_cuda(monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 8)
     check_run_devices(paper_plan, "cuda", node_rank=1)
-    with pytest.raises(InputError, match="rank 0 is planned on a H100-SXM but cuda:0 is"):
+    with pytest.raises(
+        InputError, match="rank 0 is planned on a H100-SXM but its device cuda:0 is"
+    ):
         check_run_devices(paper_plan, "cuda", node_rank=0)
     fake_cuda(monkeypatch, ["NVIDIA A100-SXM4-80GB"] * 4)
     with pytest.raises(InputError, match=r"8 ranks on node 1 \(a100-node\), one per"):
