@@ -1,29 +1,30 @@
 """The torch calls a compute point times, with their random inputs.
 
 Attention times the kernel `hexiseq.kernels.attention_kernel` names for the device, dtype and
-head size (cuDNN on Hopper/Blackwell with a recent cuDNN, `runtime.kernels.cudnn_usable`): the
-one rule the runtime runs by and the cost model prices by. Where that kernel raises, the next
-of `hexiseq.kernels.kernel_candidates` is timed instead (cudnn -> flash -> efficient), as the
+head size (cuDNN on Hopper/Blackwell with a recent cuDNN, `_cudnn_usable`): the one rule the
+runtime runs by and the cost model prices by. Where that kernel raises, the next of
+`hexiseq.kernels.kernel_candidates` is timed instead (cudnn -> flash -> efficient), as the
 runtime falls back, and the failure is remembered for that dtype and head size. The kernel
 that really ran is recorded in each measurement's `extra["kernel"]`.
 
-The calls are the runtime's own (`hexiseq.runtime.kernels.forward_with` / `backward_with`: one
-kernel module for both, the only part of the runtime the profiler may import, docs/design.md
-§1), so the profiler cannot time a kernel call the runtime no longer makes. The backward is
-given the forward's output and fp32 log-sum-exp, as the runtime's ring backward is. Shapes as
-the runtime's tiles: q (1, H, L, D), k/v (1, H, S, D) (GQA expanded by the caller).
+The calls are the ones `hexiseq.runtime.kernels` makes, written here because the profiler may
+not import the runtime (docs/design.md §1); `tests/profiler/test_compute_kernels.py` holds the two
+equal, output for output, on every kernel the machine can run (cuDNN's calls on meta tensors
+elsewhere). The backward is given the forward's output and fp32 log-sum-exp, as the runtime's
+ring backward is. Shapes as the runtime's tiles: q (1, H, L, D), k/v (1, H, S, D) (GQA
+expanded by the caller).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch.nn import functional
 
 from hexiseq.kernels import attention_kernel as _kernel_rule
-from hexiseq.kernels import kernel_candidates
-from hexiseq.runtime.kernels import backward_with, cudnn_usable, forward_with
+from hexiseq.kernels import cudnn_attention_usable, kernel_candidates
 
 from ._points import Point
 
@@ -40,8 +41,27 @@ _failed_kernels: dict[tuple[str, str, int], str] = {}
 
 def attention_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """Which kernel the runtime runs for these inputs (`hexiseq.kernels.attention_kernel`)."""
-    usable = cudnn_usable(device) if device.type == "cuda" else None
+    usable = _cudnn_usable(device) if device.type == "cuda" else None
     return _kernel_rule(device.type, str(dtype), head_dim, cudnn_usable=usable)
+
+
+def _cudnn_usable(device: torch.device) -> bool:
+    """`hexiseq.runtime.kernels.cudnn_usable`, restated (the profiler may not import it)."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    strict = torch.are_deterministic_algorithms_enabled()
+    if strict and not torch.is_deterministic_algorithms_warn_only_enabled():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _cudnn_hardware_usable(index)
+
+
+@functools.cache
+def _cudnn_hardware_usable(device_index: int) -> bool:
+    if torch.version.hip is not None or not torch.backends.cudnn.is_available():
+        return False  # ROCm's "cudnn" is MIOpen, which has no such kernel
+    capability = torch.cuda.get_device_capability(device_index)
+    return cudnn_attention_usable(capability, torch.backends.cudnn.version())
 
 
 def build_calls(
@@ -133,10 +153,48 @@ def _attention_calls(params, random, input_sets, kernel, backward):
 
 
 def _forward(kernel, q, k, v, causal, scale):
-    """(out, lse fp32): the runtime's call of `kernel`, no fallback."""
-    return forward_with(kernel, q, k, v, causal=causal, scale=scale)
+    """(out, lse fp32) as the runtime's `forward_with` computes them."""
+    if kernel == "cudnn":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, False,
+            scale=scale,
+        )  # fmt: skip
+        return out, lse.reshape(q.shape[:3]).float()  # cuDNN's lse is (B, H, L, 1)
+    if kernel == "cpu_flash":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale
+        )
+        return out, lse.float()
+    if kernel == "flash":
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale
+        )
+        return out, lse.float()
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale
+    )
+    return out, lse[..., : q.shape[2]].float()  # drop the kernel's row padding
 
 
 def _backward(kernel, dout, q, k, v, out, lse, causal, scale):
-    """(dq, dk, dv): the runtime's call of `kernel`, no fallback."""
-    return backward_with(kernel, dout, q, k, v, out, lse, causal=causal, scale=scale)
+    """(dq, dk, dv) as the runtime's `backward_with` computes them."""
+    if kernel == "cpu_flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        )
+    no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
+    if kernel == "cudnn":
+        q, k, v, out, dout = (t.contiguous() for t in (q, k, v, out, dout))
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.contiguous().unsqueeze(-1), no_rng, no_rng, None, None,
+            None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        )  # fmt: skip
+    if kernel == "flash":
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2],
+            0.0, causal, no_rng, no_rng, scale=scale,
+        )  # fmt: skip
+    return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0,
+        [True, True, True, False], causal, scale=scale,
+    )[:3]  # fmt: skip

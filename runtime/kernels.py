@@ -2,9 +2,8 @@
 
 The runtime's ring (`_block`) calls `block_forward` / `block_backward`, which run the kernel
 `hexiseq.kernels.attention_kernel` names: the rule the cost model prices and the profiler
-times by. The profiler times these very calls (`forward_with`, `backward_with`): this module is
-the one part of the runtime it imports (docs/design.md §1), so it imports nothing but torch and
-the core.
+times by. The profiler makes the same calls itself (it may not import the runtime); a test
+holds its calls equal to these.
 
 A tile (see `_tiles`) is either fully visible or a square with the standard causal mask, so
 every kernel here is called with `is_causal` and no mask tensor. Shapes: q (B, H, L, D),

@@ -1,6 +1,8 @@
 """The profiler times the kernels the runtime runs: the same rule names them, and its calls
-are the runtime's own (`hexiseq.runtime.kernels`, the one part of the runtime the profiler
-imports, docs/design.md §1), giving the runtime's outputs on every kernel this machine runs.
+give the runtime's outputs exactly, on every kernel this machine can run.
+
+The profiler may not import the runtime (docs/design.md §1), so it makes the aten calls itself;
+these tests (which may import everything) are what keeps the two from drifting apart.
 """
 
 from __future__ import annotations
@@ -31,26 +33,21 @@ def _devices_and_kernels() -> list[tuple[str, torch.dtype, str]]:
 def _fresh_kernel_state(monkeypatch):
     """No kernel retired and no cached hardware answer leaks between tests."""
     monkeypatch.setattr(_compute_ops, "_failed_kernels", {})
-    runtime_kernels._cudnn_hardware_usable.cache_clear()
+    for probe in (_compute_ops._cudnn_hardware_usable, runtime_kernels._cudnn_hardware_usable):
+        probe.cache_clear()
     yield
-    runtime_kernels._cudnn_hardware_usable.cache_clear()
+    for probe in (_compute_ops._cudnn_hardware_usable, runtime_kernels._cudnn_hardware_usable):
+        probe.cache_clear()
 
 
-def test_profiler_imports_only_the_runtimes_kernel_module():
-    """One kernel module for both (the attention calls were copied into the profiler, so it
-    could time a call the runtime no longer made); nothing else of the runtime."""
-    imported = set()
+def test_profiler_does_not_import_the_runtime():
     for path in sorted(PROFILER.glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 names.append(node.module)
-            imported |= {n for n in names if n.startswith("hexiseq.runtime")}
-            assert not any(n.startswith("hexiseq.runtime") and n != "hexiseq.runtime.kernels"
-                           for n in names), path.name  # fmt: skip
-    assert imported == {"hexiseq.runtime.kernels"}
-    assert "torch.ops.aten" not in (PROFILER / "_compute_ops.py").read_text()  # no own calls
+            assert not any(n.startswith("hexiseq.runtime") for n in names), path.name
 
 
 def test_profiler_names_the_kernel_by_the_shared_rule():
@@ -114,6 +111,7 @@ def test_profiler_and_runtime_agree_when_cudnn_is_usable(
     monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: sdp_enabled)
     device = torch.device("cuda", 0)
     usable = runtime_kernels.cudnn_usable(device)
+    assert _compute_ops._cudnn_usable(device) is usable
     assert usable is (capability[0] in (9, 10) and cudnn_version >= 91501 and hip is None
                       and sdp_enabled)  # fmt: skip
     expected = "cudnn" if usable else "flash"
