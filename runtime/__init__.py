@@ -20,6 +20,7 @@ sequence sharded by an `AttentionLayout` over a process group (default: the worl
                   FP32 master shards, weights gathered in the compute dtype (ZeRO-3 style)
 - `replicas`      data-parallel replicas over CP-HP meshes: each replica its own group, layout
                   and sequences per step; gradients summed over the world, token-weighted
+- `devices`       the launcher's check of this machine's CUDA devices against the plan
 - `train`         the torchrun train loop of a plan, measured into the store
 - `_startup`      pure: is a rank torchrun started where the plan puts it (checked before any
                   communication: world size, node, local rank, GPU type)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hexiseq import plan_search
-from hexiseq.cli.run import check_run_devices
 from hexiseq.errors import InputError
+from hexiseq.runtime.devices import check_run_devices
 
 
 @pytest.fixture(scope="module")
