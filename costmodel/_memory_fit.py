@@ -73,6 +73,19 @@ def _run_state_fractions(plan, source: RuntimeSource) -> list[float] | None:
     return [assignment.state_fraction for assignment in plan.assignments]
 
 
+def _modelled_memory(plan, source: RuntimeSource) -> list:
+    """The memory model of every rank of a run's plan: each replica's ranks by their
+    replica's own mesh (a plan of several data-parallel replicas)."""
+    if not plan.data_parallel:
+        fractions = _run_state_fractions(plan, source)
+        return list(estimate_memory(plan.cluster, plan.model, plan.train, plan.layout(), fractions))
+    modelled = [None] * plan.cluster.world_size
+    for index, replica in enumerate(plan.replicas):
+        for rank, memory in zip(replica.ranks, _modelled_memory(plan.replica_plan(index), source)):
+            modelled[rank] = memory
+    return modelled
+
+
 def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
     """One point per measured rank of every run whose plan this version can read."""
     from hexiseq.errors import HexiseqError
@@ -84,9 +97,7 @@ def memory_points(sources: Sequence[RuntimeSource]) -> list[MemoryPoint]:
             plan = Plan.from_run_json_text(source.plan_json, f"runtime run {source.run_id}")
         except HexiseqError:
             continue  # a plan this version cannot read: its run calibrates nothing
-        modelled = estimate_memory(
-            plan.cluster, plan.model, plan.train, plan.layout(), _run_state_fractions(plan, source)
-        )
+        modelled = _modelled_memory(plan, source)
         for rank, measure, peak_bytes in source.peaks:
             if rank >= len(modelled) or peak_bytes <= 0:
                 continue

@@ -14,7 +14,7 @@ from hexiseq.cluster import Cluster, Device, cluster_presets
 from hexiseq.errors import HexiseqError, InfeasibleError, InputError, StoreError
 from hexiseq.layout import AttentionLayout, build_uniform_layout, build_zigzag_layout
 from hexiseq.model import ModelSpec, TrainSpec, model_presets
-from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.plan import InfeasiblePlan, Plan, Replica
 from hexiseq.units import parse_seq_len
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "InputError",
     "ModelSpec",
     "Plan",
+    "Replica",
     "TrainSpec",
     "build_uniform_layout",
     "build_zigzag_layout",

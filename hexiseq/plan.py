@@ -22,10 +22,11 @@ from hexiseq.errors import InputError
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
 
-PLAN_SCHEMA_VERSION = 2
+PLAN_SCHEMA_VERSION = 3
 """The plan document version `to_json` writes. 2 added time parts to `predicted.ranks` and
-renamed memory terms."""
-READABLE_PLAN_SCHEMA_VERSIONS = (1, 2)
+renamed memory terms; 3 added data-parallel replicas (`replicas`, written when a plan has
+more than one, and each assignment's `replica`)."""
+READABLE_PLAN_SCHEMA_VERSIONS = (1, 2, 3)
 PLAN_KEYS = (
     "schema_version",
     "name",
@@ -36,6 +37,7 @@ PLAN_KEYS = (
     "assignments",
     "knobs",
     "predicted",
+    "replicas",
 )
 """The keys of a plan document (`Plan.to_dict`); others are refused on reading."""
 """Versions `from_json` reads: a version-1 document's ranks lack the parts version 2 added,
@@ -53,6 +55,10 @@ class RankAssignment:
     head_range: tuple[int, int]
     tokens: int
     state_fraction: float
+    """The rank's share of its replica's model states (the shares of a replica add up to 1)."""
+    replica: int = field(default=0, kw_only=True)
+    """The data-parallel replica the rank belongs to; `group`, `head_range` and `tokens` are
+    in that replica's layout."""
 
     @property
     def heads(self) -> int:
@@ -128,8 +134,74 @@ class Prediction:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """One data-parallel replica of a plan: a CP-HP mesh over its global `ranks` (layout rank
+    i is `ranks[i]`) running its own `layout`, on `sequences` sequences per step."""
+
+    ranks: tuple[int, ...]
+    layout: AttentionLayout
+    sequences: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ranks": list(self.ranks),
+            "sequences": self.sequences,
+            "layout": self.layout.to_dict(),
+        }
+
+    @classmethod
+    def from_dict(cls, document: dict[str, Any]) -> Replica:
+        unknown = sorted(set(document) - {"ranks", "sequences", "layout"})
+        if unknown:
+            raise InputError(
+                f"replica: unknown key(s) {', '.join(map(str, unknown))}; a replica has "
+                "ranks, sequences, layout"
+            )
+        ranks, sequences = document["ranks"], document["sequences"]
+        if not isinstance(ranks, list) or not all(_whole(rank) for rank in ranks):
+            raise InputError(f"replica: ranks must be a list of whole numbers (got {ranks!r})")
+        if not _whole(sequences):
+            raise InputError(f"replica: sequences must be a whole number (got {sequences!r})")
+        return cls(tuple(ranks), AttentionLayout.from_dict(document["layout"]), sequences)
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def replica_problems(replicas: tuple[Replica, ...], world_size: int, seq_len: int) -> list[str]:
+    """What is wrong with a plan's replicas: every rank in exactly one, each layout made for
+    its replica's size and the plan's sequence length, at least one sequence each."""
+    ranks = sorted(rank for replica in replicas for rank in replica.ranks)
+    if ranks != list(range(world_size)):
+        return [f"replicas must hold every rank 0..{world_size - 1} exactly once"]
+    problems = []
+    for index, replica in enumerate(replicas):
+        layout = replica.layout
+        if layout.world_size != len(replica.ranks):
+            problems.append(
+                f"replica {index} has {len(replica.ranks)} ranks but a layout for "
+                f"{layout.world_size}"
+            )
+        if layout.seq_len != seq_len:
+            problems.append(
+                f"replica {index}'s layout covers {layout.seq_len} tokens, not {seq_len}"
+            )
+        if replica.sequences < 1:
+            problems.append(f"replica {index} takes {replica.sequences} sequences; at least 1")
+    return problems
+
+
+@dataclass(frozen=True)
 class Plan:
-    """A complete, executable plan (contract, docs/design.md §4)."""
+    """A complete, executable plan (contract, docs/design.md §4).
+
+    `replicas`: the data-parallel replicas, each a CP-HP mesh with its own layout and its own
+    sequences per step (together `train.micro_batches`); left empty (or given one), the plan
+    is one mesh over the whole cluster and `replicas` is that one, made from
+    `attention_layout` and `train` (so `dataclasses.replace` of either keeps it true). A plan of several replicas
+    keeps the first replica's layout as `attention_layout` (there is no one layout of the
+    world then: `layout()` refuses, and each replica's is `replicas[i].layout`)."""
 
     name: str
     cluster: Cluster
@@ -139,10 +211,63 @@ class Plan:
     assignments: tuple[RankAssignment, ...]
     knobs: dict[str, Any]
     predicted: Prediction
+    replicas: tuple[Replica, ...] = ()
+
+    def __post_init__(self) -> None:
+        if len(self.replicas) <= 1:  # one mesh: always the plan's own layout and sequences
+            world = tuple(range(self.attention_layout.world_size))
+            one = Replica(world, self.attention_layout, self.train.micro_batches)
+            object.__setattr__(self, "replicas", (one,))
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether the plan runs several data-parallel replicas."""
+        return len(self.replicas) > 1
 
     def layout(self) -> AttentionLayout:
-        """The CP-HP layout this plan runs."""
+        """The CP-HP layout this plan runs (one mesh over the whole cluster); a plan of
+        several replicas has one per replica (`replicas[i].layout`) and raises InputError."""
+        if self.data_parallel:
+            raise InputError(
+                f"plan {self.name} runs {len(self.replicas)} data-parallel replicas, each with "
+                "its own layout: read plan.replicas[i].layout"
+            )
         return self.attention_layout
+
+    def replica_of(self, rank: int) -> Replica:
+        """The replica that holds global `rank`."""
+        return self.replicas[self.assignments[rank].replica]
+
+    def rank_layout(self, rank: int) -> tuple[AttentionLayout, int]:
+        """The layout global `rank` runs (its replica's) and its rank in that layout."""
+        replica = self.replica_of(rank)
+        return replica.layout, replica.ranks.index(rank)
+
+    def replica_plan(self, index: int) -> Plan:
+        """Replica `index` as a plan of one mesh on its own nodes (its ranks renumbered from
+        0, `train.micro_batches` its sequences), with its ranks' part of this plan's
+        prediction (their times include the wait for the slowest replica and the
+        cross-replica gradient reduction)."""
+        replica = self.replicas[index]
+        if not self.data_parallel:
+            return self
+        devices = self.cluster.devices
+        nodes = list(dict.fromkeys(devices[rank].node for rank in replica.ranks))
+        cluster = self.cluster.subset(nodes, f"{self.cluster.name}[replica {index}]")
+        train = dataclasses.replace(self.train, micro_batches=replica.sequences)
+        assignments = tuple(
+            dataclasses.replace(self.assignments[rank], rank=local, replica=0)
+            for local, rank in enumerate(replica.ranks)
+        )
+        step_s = self.predicted.step_time_s
+        predicted = Prediction(
+            step_s,
+            train.tokens_per_step / step_s,
+            tuple(self.predicted.ranks[rank] for rank in replica.ranks),
+            dict(self.predicted.cost_model),
+        )
+        name = f"{self.name} [replica {index}]"
+        return Plan(name, cluster, self.model, train, replica.layout, assignments, {}, predicted)
 
     @property
     def cost_model_summary(self) -> str:
@@ -153,6 +278,7 @@ class Plan:
         return "; ".join(f"{gpu}: {label}" for gpu, label in self.predicted.cost_model.items())
 
     def to_dict(self) -> dict[str, Any]:
+        replicas = [r.to_dict() for r in self.replicas] if self.data_parallel else None
         return {
             "schema_version": PLAN_SCHEMA_VERSION,
             "name": self.name,
@@ -163,7 +289,7 @@ class Plan:
             "assignments": [asdict(a) for a in self.assignments],
             "knobs": self.knobs,
             "predicted": _prediction_to_dict(self.predicted),
-        }
+        } | ({"replicas": replicas} if replicas else {})
 
     def to_json_text(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -191,7 +317,8 @@ class Plan:
             raise InputError(f"{source}: not a hexiseq plan (expected a JSON object)")
         version = document.get("schema_version")
         if type(version) is not int or version not in READABLE_PLAN_SCHEMA_VERSIONS:
-            readable = " and ".join(str(v) for v in READABLE_PLAN_SCHEMA_VERSIONS)
+            *earlier, last = map(str, READABLE_PLAN_SCHEMA_VERSIONS)
+            readable = f"{', '.join(earlier)} and {last}"
             raise InputError(
                 f"{source}: schema_version {version!r} is not supported; this hexiseq reads "
                 f"versions {readable}"
@@ -282,21 +409,36 @@ def _plan_from_dict(document: dict[str, Any], source: str) -> Plan:
         assignments=assignments,
         knobs=dict(document["knobs"]),
         predicted=_prediction_from_dict(document["predicted"]),
+        replicas=_replicas_from(document),
     )
+
+
+def _replicas_from(document: dict[str, Any]) -> tuple[Replica, ...]:
+    replicas = document.get("replicas")
+    if replicas is None:
+        return ()
+    if not isinstance(replicas, list) or len(replicas) < 2:
+        raise InputError("replicas must be a list of at least two (one mesh leaves it out)")
+    return tuple(Replica.from_dict(r) for r in replicas)
 
 
 def _check_consistent(plan: Plan, source: str) -> None:
     """The parts of a plan must describe the same run."""
-    layout, world = plan.attention_layout, plan.cluster.world_size
-    problems = []
-    if layout.world_size != world:
-        problems.append(f"layout has {layout.world_size} ranks, cluster {world} devices")
-    if layout.seq_len != plan.train.seq_len:
+    world = plan.cluster.world_size
+    problems = replica_problems(plan.replicas, world, plan.train.seq_len)
+    if not problems and plan.data_parallel:
+        problems += _whole_node_problems(plan)
+    for replica in plan.replicas:
+        layout = replica.layout
+        if (layout.num_heads, layout.num_kv_heads) != (plan.model.heads, plan.model.kv_heads):
+            problems.append("layout heads differ from the model's")
+            break
+    sequences = sum(replica.sequences for replica in plan.replicas)
+    if sequences != plan.train.micro_batches:
         problems.append(
-            f"layout covers {layout.seq_len} tokens, train.seq_len is {plan.train.seq_len}"
+            f"the replicas take {sequences} sequences per step, train.micro_batches is "
+            f"{plan.train.micro_batches}"
         )
-    if (layout.num_heads, layout.num_kv_heads) != (plan.model.heads, plan.model.kv_heads):
-        problems.append("layout heads differ from the model's")
     for what, items in (
         ("assignments", plan.assignments),
         ("predicted.ranks", plan.predicted.ranks),
@@ -311,27 +453,53 @@ def _check_consistent(plan: Plan, source: str) -> None:
         raise InputError(f"{source}: inconsistent plan: {'; '.join(problems[:3])}")
 
 
+def _whole_node_problems(plan: Plan) -> list[str]:
+    """A plan's replicas are whole nodes, each replica's ranks in cluster order."""
+    devices = plan.cluster.devices
+    for index, replica in enumerate(plan.replicas):
+        nodes = {devices[rank].node for rank in replica.ranks}
+        whole = sorted(d.rank for d in devices if d.node in nodes)
+        if list(replica.ranks) != whole:
+            return [
+                f"replica {index} must hold whole nodes, its ranks in cluster order (ranks "
+                f"{whole[0]}..{whole[-1]} of {', '.join(sorted(nodes))})"
+            ]
+    return []
+
+
 def _assignment_problems(plan: Plan) -> list[str]:
-    """Each rank's assignment must be what the layout and the cluster say, its state share a
-    finite non-negative number, and the shares must add up to 1."""
-    layout, devices = plan.attention_layout, plan.cluster.devices
+    """Each rank's assignment must be what its replica's layout and the cluster say, its state
+    share a finite non-negative number, and each replica's shares must add up to 1."""
+    devices = plan.cluster.devices
+    where = {
+        rank: (index, local)
+        for index, replica in enumerate(plan.replicas)
+        for local, rank in enumerate(replica.ranks)
+    }
     problems = []
     for index, a in enumerate(plan.assignments):
         device = devices[index]
-        expected = (index, device.gpu, device.node, layout.num_tokens(index))
+        replica, local = where[index]
+        layout = plan.replicas[replica].layout
+        if a.replica != replica:
+            problems.append(f"assignment {index} says replica {a.replica}, the plan {replica}")
+            continue
+        expected = (index, device.gpu, device.node, layout.num_tokens(local))
         if (a.rank, a.gpu, a.node, a.tokens) != expected:
             problems.append(
                 f"assignment {index} says rank {a.rank}, {a.gpu} on {a.node}, {a.tokens} tokens; "
                 f"the cluster and layout say rank {index}, {device.gpu} on {device.node}, "
                 f"{expected[3]} tokens"
             )
-        elif tuple(a.head_range) != tuple(layout.head_ranges[index]):
+        elif tuple(a.head_range) != tuple(layout.head_ranges[local]):
             problems.append(f"assignment {index} heads {a.head_range} differ from the layout's")
         if not (math.isfinite(a.state_fraction) and a.state_fraction >= 0):
             problems.append(f"assignment {index} has state_fraction {a.state_fraction}")
-    total = math.fsum(a.state_fraction for a in plan.assignments)
-    if not problems and abs(total - 1.0) > 1e-6:
-        problems.append(f"state fractions add up to {total:g}, not 1")
+    for replica_index, replica in enumerate(plan.replicas):
+        total = math.fsum(plan.assignments[rank].state_fraction for rank in replica.ranks)
+        if not problems and abs(total - 1.0) > 1e-6:
+            owner = f" of replica {replica_index}" if plan.data_parallel else ""
+            problems.append(f"state fractions{owner} add up to {total:g}, not 1")
     return problems
 
 

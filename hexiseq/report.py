@@ -24,16 +24,26 @@ def format_table(headers: list[str], rows: list[list[str]], right: set[int]) -> 
 
 
 def format_plan(plan: Plan) -> str:
-    """Header line and one row per device: GPU, group, heads, tokens, time and memory."""
+    """Header line and one row per device: GPU, group, heads, tokens, time and memory (and
+    the replica, for a plan of several data-parallel replicas)."""
     header = (
         f"{plan.name}: {plan.model.name} on {plan.cluster.name} ({plan.cluster.world_size} "
         f"devices), {format_tokens(plan.train.seq_len)} tokens, "
         f"{plan.predicted.tokens_per_s:,.1f} tokens/s, step {plan.predicted.step_time_s:,.2f} s "
         f"[{plan.cost_model_summary}]"
     )
-    rows = [_device_row(a, r) for a, r in zip(plan.assignments, plan.predicted.ranks)]
+    if plan.data_parallel:
+        sequences = ", ".join(str(r.sequences) for r in plan.replicas)
+        header += (
+            f"\n{len(plan.replicas)} data-parallel replicas taking {sequences} sequences per "
+            f"step ({plan.train.micro_batches} in all); gradients reduced across replicas in "
+            f"{plan.knobs.get('gradient_sync_s', 0.0):.2f} s"
+        )
+    replica = plan.data_parallel
+    rows = [_device_row(a, r, replica) for a, r in zip(plan.assignments, plan.predicted.ranks)]
     headers = [
         "rank",
+        *(["replica"] if replica else []),
         "node",
         "GPU",
         "group",
@@ -45,15 +55,19 @@ def format_plan(plan: Plan) -> str:
         "memory GiB used/cap",
         "used",
     ]
-    return header + "\n" + format_table(headers, rows, right={0, 3, 5, 6, 7, 8, 9, 10})
+    right = {0, 3, 5, 6, 7, 8, 9, 10}
+    if replica:
+        right = {0, 1} | {column + 1 for column in right - {0}}
+    return header + "\n" + format_table(headers, rows, right=right)
 
 
-def _device_row(assignment: Any, rank: Any) -> list[str]:
+def _device_row(assignment: Any, rank: Any, replica: bool = False) -> list[str]:
     low, high = assignment.head_range
     comm = rank.all_to_all_s + rank.ring_exposed_comm_s + rank.sharding_exposed_comm_s
     compute = rank.busy_s - comm  # GEMMs, attention, elementwise, casts, loss, optimizer, launches
     return [
         str(assignment.rank),
+        *([str(assignment.replica)] if replica else []),
         assignment.node,
         assignment.gpu,
         str(assignment.group),
@@ -124,7 +138,7 @@ def format_data_parallel(result: Any) -> str:
     if ratio < 1.0:
         text += (
             "\nnote: running each GPU type as its own data-parallel replica is predicted "
-            "faster than this plan; hexiseq cannot run data-parallel replicas yet"
+            "faster than this plan (a search of one mesh only, --no-data-parallel, skips them)"
         )
     return text
 

@@ -30,40 +30,18 @@ from torch import nn
 
 from hexiseq.errors import InputError
 from hexiseq.layout import AttentionLayout
+from hexiseq.plan import Plan, Replica, replica_problems
 from hexiseq.runtime.loss import IGNORE_LABEL, all_reduce_gradients, next_token_labels
 from hexiseq.runtime.model import token_positions
-
-
-@dataclass(frozen=True)
-class Replica:
-    """One data-parallel replica: its global ranks (layout rank i is `ranks[i]`), the CP-HP
-    layout it runs over them, and how many sequences it takes per step."""
-
-    ranks: tuple[int, ...]
-    layout: AttentionLayout
-    sequences: int
 
 
 def check_replicas(replicas: Sequence[Replica], world_size: int) -> None:
     """Every rank of the world in exactly one replica, each replica's layout made for its
     size, one sequence length for all, at least one sequence each; else InputError."""
-    ranks = [rank for replica in replicas for rank in replica.ranks]
-    if sorted(ranks) != list(range(world_size)):
-        raise InputError(
-            f"replicas must hold every rank 0..{world_size - 1} exactly once (they hold "
-            f"{sorted(ranks)})"
-        )
-    lengths = {replica.layout.seq_len for replica in replicas}
-    if len(lengths) != 1:
-        raise InputError(f"replicas must train one sequence length (got {sorted(lengths)})")
-    for index, replica in enumerate(replicas):
-        if replica.layout.world_size != len(replica.ranks):
-            raise InputError(
-                f"replica {index} has {len(replica.ranks)} ranks but its layout is for "
-                f"{replica.layout.world_size}"
-            )
-        if replica.sequences < 1:
-            raise InputError(f"replica {index} takes {replica.sequences} sequences; at least 1")
+    seq_len = replicas[0].layout.seq_len if replicas else 0
+    problems = replica_problems(tuple(replicas), world_size, seq_len)
+    if problems:
+        raise InputError("; ".join(problems))
 
 
 def replica_groups(replicas: Sequence[Replica]) -> list[dist.ProcessGroup]:
@@ -133,3 +111,139 @@ def replica_step(
     dist.all_reduce(loss_sum)
     all_reduce_gradients(list(model.parameters()))  # over the world: every replica's share
     return ReplicaStepLoss(loss_sum.item() / total, int(total))
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This rank's CP-HP mesh in a plan: the replica it belongs to (the whole world for a
+    plan of one mesh), its process group, its rank and layout there, and which of the step's
+    sequences it trains."""
+
+    index: int
+    ranks: tuple[int, ...]
+    group: dist.ProcessGroup | None
+    """None: the default group (a plan of one mesh)."""
+    local_rank: int
+    layout: AttentionLayout
+    sequences: range
+    total_sequences: int
+    """Sequences of the whole step, every replica's."""
+    fractions: tuple[float, ...]
+    """The replica's ranks' state shares, in layout order."""
+    data_parallel: bool
+
+
+def plan_mesh(plan: Plan, rank: int) -> Mesh:
+    """This rank's mesh in a plan of one mesh (no process group is created)."""
+    replica = plan.replicas[0]
+    return Mesh(
+        index=0,
+        ranks=replica.ranks,
+        group=None,
+        local_rank=rank,
+        layout=replica.layout,
+        sequences=range(replica.sequences),
+        total_sequences=replica.sequences,
+        fractions=tuple(a.state_fraction for a in plan.assignments),
+        data_parallel=False,
+    )
+
+
+def join_mesh(plan: Plan, rank: int) -> Mesh:
+    """This rank's mesh: for a plan of several replicas, one process group per replica is
+    created (collective over the world: every rank calls it)."""
+    if not plan.data_parallel:
+        return plan_mesh(plan, rank)
+    groups = replica_groups(plan.replicas)
+    index = own_replica(plan.replicas, rank)
+    replica = plan.replicas[index]
+    return Mesh(
+        index=index,
+        ranks=replica.ranks,
+        group=groups[index],
+        local_rank=replica.ranks.index(rank),
+        layout=replica.layout,
+        sequences=sequence_indices(plan.replicas)[index],
+        total_sequences=sum(r.sequences for r in plan.replicas),
+        fractions=tuple(plan.assignments[r].state_fraction for r in replica.ranks),
+        data_parallel=True,
+    )
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """A piece of one unit's flat gradient held by exactly one rank of every replica."""
+
+    unit: int
+    start: int  # in the unit's flat buffer
+    stop: int
+    owners: tuple[int, ...]  # global ranks, one per replica, sorted
+
+
+class CrossReplicaReduction:
+    """Sums sharded FP32 gradients across replicas whose shards differ (uneven sizes and
+    state shares): each unit's flat range is cut at every replica's shard boundaries, so that
+    each piece lies in one shard of every replica; the pieces with the same owners (one rank
+    per replica) are all-reduced together, one collective per set of owners, in one order on
+    every rank (so no two ranks wait on each other). Creating it is collective over the world
+    (one process group per set of owners)."""
+
+    def __init__(self, plan: Plan, unit_sizes: Sequence[int], rank: int) -> None:
+        self.rank = rank
+        self.offsets = {}  # unit -> this rank's shard start in the unit
+        pieces: list[_Piece] = []
+        for unit, size in enumerate(unit_sizes):
+            starts = [_shard_starts(plan, replica, size) for replica in plan.replicas]
+            for replica, shard_starts in zip(plan.replicas, starts):
+                if rank in shard_starts:
+                    self.offsets[unit] = shard_starts[rank][0]
+            pieces += _pieces(unit, size, plan.replicas, starts)
+        owner_sets = sorted({piece.owners for piece in pieces})
+        self.groups = {owners: dist.new_group(list(owners)) for owners in owner_sets}
+        self.mine = [
+            (owners, [p for p in pieces if p.owners == owners])
+            for owners in owner_sets
+            if rank in owners
+        ]
+
+    def reduce(self, masters: Sequence[torch.Tensor]) -> None:
+        """Sum each unit's master-shard gradient (`masters[unit].grad`) over the replicas."""
+        for owners, pieces in self.mine:
+            views = [
+                masters[p.unit].grad[p.start - self.offsets[p.unit] : p.stop - self.offsets[p.unit]]
+                for p in pieces
+            ]
+            flat = torch.cat(views)
+            dist.all_reduce(flat, group=self.groups[owners])
+            for view, summed in zip(views, torch.split(flat, [v.numel() for v in views])):
+                view.copy_(summed)
+
+
+def _shard_starts(plan: Plan, replica: Replica, size: int) -> dict[int, tuple[int, int]]:
+    """Each rank of `replica`: its [start, stop) in a unit of `size` elements."""
+    from hexiseq.runtime.sharding import shard_counts
+
+    fractions = [plan.assignments[rank].state_fraction for rank in replica.ranks]
+    bounds, start = {}, 0
+    for rank, count in zip(replica.ranks, shard_counts(size, fractions)):
+        bounds[rank] = (start, start + count)
+        start += count
+    return bounds
+
+
+def _pieces(
+    unit: int, size: int, replicas: Sequence[Replica], starts: list[dict[int, tuple[int, int]]]
+) -> list[_Piece]:
+    cuts = sorted({0, size} | {edge for bounds in starts for b in bounds.values() for edge in b})
+    pieces = []
+    for start, stop in zip(cuts, cuts[1:]):
+        if stop <= start:
+            continue
+        owners = tuple(
+            sorted(
+                next(rank for rank, (a, b) in bounds.items() if a <= start < b)
+                for bounds in starts
+            )
+        )
+        pieces.append(_Piece(unit, start, stop, owners))
+    return pieces

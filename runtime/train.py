@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import gc
 import hashlib
+import math
 import os
 import resource
 import statistics
@@ -58,6 +59,7 @@ from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placemen
 )
 from hexiseq.runtime.attention import CPHPAttention
 from hexiseq.runtime.kernels import take_used_kernels
+from hexiseq.runtime.replicas import CrossReplicaReduction, Mesh, join_mesh, plan_mesh
 from hexiseq.runtime.loss import (
     all_reduce_gradients,
     chunked_next_token_loss,
@@ -107,6 +109,11 @@ class RankContext:
     compute_dtype: torch.dtype
     device_label: str
     slowdown: float
+    mesh: Mesh | None = None
+    """This rank's replica (`replicas.join_mesh`); None: the plan is one mesh."""
+
+    def mesh_of(self, plan: Plan) -> Mesh:
+        return self.mesh if self.mesh is not None else plan_mesh(plan, self.rank)
 
     @property
     def emulation_label(self) -> str:
@@ -238,6 +245,7 @@ def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
         compute_dtype=torch.bfloat16 if dtype == "bfloat16" else torch.float32,
         device_label=f"{actual} (plan: {planned.gpu})",
         slowdown=float(planned.emulation_slowdown),
+        mesh=join_mesh(plan, rank),
     )
 
 
@@ -271,7 +279,8 @@ def run_steps(
     model = build_plan_model(plan, context, options.seed, sharded)
     optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
     padding = ComputePadding(model, context.slowdown)
-    positions = token_positions(plan.layout(), context.rank).to(context.device)
+    mesh = context.mesh_of(plan)
+    positions = token_positions(mesh.layout, mesh.local_rank).to(context.device)
     launcher_pid = os.getppid()
     for step in range(options.steps):
         check_launcher(launcher_pid)
@@ -316,17 +325,26 @@ def failure_of(error: BaseException) -> str:
 
 
 def build_plan_model(plan: Plan, context: RankContext, seed: int, sharded: bool) -> LlamaModel:
-    """The plan's model on this rank: sharded in the plan's state fractions (built on the
-    meta device, this rank's shards drawn from `seed`), or whole (replicated)."""
-    attention = CPHPAttention(plan.layout())
+    """The plan's model on this rank, over its mesh (its replica's group and layout): sharded
+    in the mesh's state fractions (built on the meta device, this rank's shards drawn from
+    `seed`), or whole (replicated). Over several replicas, the sharded model also gets the
+    cross-replica gradient reduction (`model.cross_replica`; collective: every rank builds
+    its model)."""
+    mesh = context.mesh_of(plan)
+    attention = CPHPAttention(mesh.layout, mesh.group)
     checkpointing = plan.train.activation_checkpointing
     if not sharded:
         return build_model(
             plan.model, attention, seed=seed, device=context.device, checkpointing=checkpointing
         )
     model = build_model(plan.model, attention, device="meta", checkpointing=checkpointing)
-    fractions = [assignment.state_fraction for assignment in plan.assignments]
-    shard_model_states(model, fractions, context.compute_dtype, seed=seed, device=context.device)
+    states = shard_model_states(
+        model, mesh.fractions, context.compute_dtype, mesh.group, seed=seed, device=context.device
+    )
+    model.cross_replica = None
+    if mesh.data_parallel:
+        sizes = [unit.numel for unit in states.units]
+        model.cross_replica = CrossReplicaReduction(plan, sizes, context.rank)
     return model
 
 
@@ -474,10 +492,10 @@ def run_step(
     gradients), AdamW. Returns the step's loss: the mean over its micro-batches of each
     sequence's mean. `phase(name)` wraps each part ("forward", "loss", "backward",
     "optimizer"): the memory probe (`allocations`) counts what each allocates."""
-    micro_batches = tokens_MS.shape[0]
+    mesh = context.mesh_of(plan)
     autocast = not sharded and context.compute_dtype != torch.float32
     losses = []
-    for index in range(micro_batches):
+    for index in mesh.sequences:  # this replica's sequences of the step
         tokens_BS = tokens_MS[index : index + 1]
         labels = next_token_labels(tokens_BS, positions)
         with torch.autocast(context.device.type, dtype=context.compute_dtype, enabled=autocast):
@@ -485,18 +503,35 @@ def run_step(
                 hidden = model.hidden_states(tokens_BS[:, positions], positions)
             with phase("loss"):  # the LM head and the loss, a chunk of tokens at a time
                 loss = chunked_next_token_loss(
-                    hidden, model.lm_head.weight, labels, compute_dtype=context.compute_dtype
+                    hidden,
+                    model.lm_head.weight,
+                    labels,
+                    compute_dtype=context.compute_dtype,
+                    group=mesh.group,
                 )
         with phase("backward"):
-            (loss.local_share / micro_batches).backward()
+            (loss.local_share / mesh.total_sequences).backward()
         losses.append(loss.global_loss.item())
     padding.flush()
     with phase("optimizer"):
-        if not sharded:
+        if not sharded:  # over the world: every replica's share
             all_reduce_gradients(list(model.parameters()))
+        elif getattr(model, "cross_replica", None) is not None:
+            model.cross_replica.reduce([unit.master for unit in model.sharded_states.units])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return statistics.fmean(losses)
+    if not mesh.data_parallel:
+        return statistics.fmean(losses)
+    return step_loss(losses, mesh, context.device)
+
+
+def step_loss(losses: list[float], mesh: Mesh, device: torch.device) -> float:
+    """The step's loss over several replicas: the mean of every sequence's mean, each
+    replica's sequences counted once (by its first rank)."""
+    own = math.fsum(losses) if mesh.local_rank == 0 else 0.0
+    total = torch.tensor([own], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.item() / mesh.total_sequences
 
 
 def describe_step(rows: list[RuntimeMeasurement]) -> str:

@@ -19,6 +19,7 @@ from hexiseq.search.baselines import (
 )
 from hexiseq.search.options import SearchOptions, search_options
 from hexiseq.search.optuna_layer import Trial, run_study, trial_of
+from hexiseq.search.replicas import replica_plan
 from hexiseq.units import parse_seq_len
 
 
@@ -82,6 +83,7 @@ def plan_search(
     micro_batches: int = 1,
     precision: str = "auto",
     show_progress: bool = False,
+    data_parallel: bool = True,
 ) -> SearchResult:
     """Find the fastest plan that fits in memory, and score the baselines the same way.
 
@@ -106,6 +108,7 @@ def plan_search(
         "micro_batches": micro_batches,
         "precision": precision,
         "show_progress": show_progress,
+        "data_parallel": data_parallel,
     }
     if options is None:
         options = search_options(**keywords)
@@ -135,6 +138,9 @@ def search(
     trials = outcome.records + [trial_of({}, b) for b in baselines.values()]
     candidates = [outcome.best] if outcome.best is not None else []
     candidates += outcome.infeasible + list(baselines.values())
+    replicated = replica_plan(problem) if options.data_parallel else None
+    if replicated is not None:
+        candidates.append(replicated)
     feasible = [c for c in candidates if isinstance(c, Plan)]
     if not feasible:
         raise InfeasibleError(

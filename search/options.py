@@ -42,6 +42,9 @@ class SearchOptions(BaseModel):
       "fp32", or "auto" (bf16 on GPUs, fp32 on an all-CPU cluster, as the runtime runs there);
       master weights, gradients and AdamW states are FP32 either way.
     - `show_progress`: Optuna's progress bar.
+    - `data_parallel`: also plan data-parallel replicas (the cluster split by nodes, each
+      part its own CP-HP mesh on its own sequences) and pick them where they are faster;
+      False: one CP-HP mesh over the whole cluster only.
     """
 
     model_config = ConfigDict(
@@ -60,6 +63,7 @@ class SearchOptions(BaseModel):
     micro_batches: int = Field(default=1, ge=1, le=MAX_MICRO_BATCHES)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     show_progress: bool = False
+    data_parallel: bool = True
 
     @model_validator(mode="after")
     def _consistent(self) -> SearchOptions:

@@ -20,6 +20,7 @@ from hexiseq.costmodel import CostModel, DatasheetCostModel, simulate_step
 from hexiseq.errors import InputError
 from hexiseq.plan import Plan, Prediction
 from hexiseq.search._evaluate import plan_prediction
+from hexiseq.search.replicas import predict_replicas
 from hexiseq.store import STORE_URL_ENV, Store
 
 _COST_MODEL_METHODS = ("label", "gemm_time_s", "attention_time_s", "transfer_time_s")
@@ -45,6 +46,8 @@ def predict(
     else:
         with open_prediction_store(store) as opened:
             cost = resolve_cost_model(cost_model, opened, plan.cluster.gpu_types)
+    if plan.data_parallel:
+        return predict_replicas(plan, cost)
     fractions = [assignment.state_fraction for assignment in plan.assignments]
     step = simulate_step(plan.cluster, plan.model, plan.train, plan.layout(), cost, fractions)
     return plan_prediction(step)

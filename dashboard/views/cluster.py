@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pandas as pd
 import plotly.graph_objects as go
@@ -79,24 +80,34 @@ def link_heatmap_figure(cluster: Cluster) -> go.Figure:
 def ring_hops_frame(plan: Plan) -> pd.DataFrame:
     """One row per HP group in ring order: members, nodes, GPUs, segment length, and the hop
     to the next group (its slowest node-to-node link, GB/s; the ring's K/V blocks cross it)."""
-    cluster, layout = plan.cluster, plan.attention_layout
-    groups = layout.groups
+    rows = []
+    for index, replica in enumerate(plan.replicas):
+        rows += _ring_hops(plan, replica.layout, replica.ranks, index)
+    return pd.DataFrame(rows)
+
+
+def _ring_hops(plan: Plan, layout, ranks: Sequence[int], replica: int) -> list[dict]:
+    """One replica's ring (global ranks)."""
+    cluster = plan.cluster
+    groups = [[ranks[member] for member in group] for group in layout.groups]
+    local = {rank: i for i, rank in enumerate(ranks)}
     rows = []
     for position, members in enumerate(groups):
         following = groups[(position + 1) % len(groups)]
         rows.append(
             {
+                **({"replica": replica} if plan.data_parallel else {}),
                 "ring_position": position,
                 "ranks": ", ".join(str(rank) for rank in members),
                 "nodes": ", ".join(_nodes_of(cluster, members)),
                 "gpus": ", ".join(dict.fromkeys(cluster.devices[r].gpu for r in members)),
-                "heads_per_rank": ", ".join(str(layout.num_heads_of(r)) for r in members),
+                "heads_per_rank": ", ".join(str(layout.num_heads_of(local[r])) for r in members),
                 "segment_tokens": layout.segment_length(position),
                 "next_group": (position + 1) % len(groups),
                 "hop_GBps": _slowest_link_GBps(cluster, members, following),
             }
         )
-    return pd.DataFrame(rows)
+    return rows
 
 
 def _nodes_of(cluster: Cluster, ranks: tuple[int, ...]) -> list[str]:

@@ -29,6 +29,12 @@ def memory_terms_bytes(plan: Plan) -> list[dict[str, int]]:
     the closed-form memory model for plans saved without it."""
     if all(rank.memory_terms for rank in plan.predicted.ranks):
         return [dict(rank.memory_terms) for rank in plan.predicted.ranks]
+    if plan.data_parallel:  # each replica's ranks by their own mesh
+        terms: list[dict[str, int]] = [{} for _ in plan.assignments]
+        for index, replica in enumerate(plan.replicas):
+            for rank, own in zip(replica.ranks, memory_terms_bytes(plan.replica_plan(index))):
+                terms[rank] = own
+        return terms
     fractions = [a.state_fraction for a in plan.assignments]
     breakdowns = estimate_memory(
         plan.cluster, plan.model, plan.train, plan.attention_layout, fractions

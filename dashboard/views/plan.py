@@ -37,14 +37,15 @@ def rank_label(plan: Plan, rank: int) -> str:
 def assignments_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.DataFrame:
     """One row per rank (of `ranks`, default all): node, GPU, HP group, heads, token ranges,
     tokens, predicted step part."""
-    layout = plan.attention_layout
     rows = []
     for rank in _ranks(plan, ranks):
         assignment, predicted = plan.assignments[rank], plan.predicted.ranks[rank]
+        layout, local = plan.rank_layout(rank)
         low, high = assignment.head_range
         rows.append(
             {
                 "rank": assignment.rank,
+                **({"replica": assignment.replica} if plan.data_parallel else {}),
                 "node": assignment.node,
                 "gpu": assignment.gpu,
                 "group": assignment.group,
@@ -52,7 +53,7 @@ def assignments_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.Data
                 "head_range": f"[{low}, {high})",
                 "tokens": assignment.tokens,
                 "token_ranges": " ".join(
-                    f"[{s}, {e})" for s, e in layout.token_ranges[assignment.rank]
+                    f"[{s}, {e})" for s, e in layout.token_ranges[local]
                 ),
                 "state_fraction": assignment.state_fraction,
                 "busy_s": predicted.busy_s,
@@ -65,18 +66,17 @@ def assignments_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.Data
 def segments_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.DataFrame:
     """One row per owned token range (of `ranks`, default all): rank, group, start, end
     (half-open), tokens."""
-    layout = plan.attention_layout
     rows = [
         {
             "rank": rank,
             "label": rank_label(plan, rank),
-            "group": layout.group_of(rank),
+            "group": plan.assignments[rank].group,
             "start": start,
             "end": end,
             "tokens": end - start,
         }
         for rank in _ranks(plan, ranks)
-        for start, end in layout.token_ranges[rank]
+        for start, end in _token_ranges(plan, rank)
     ]
     return pd.DataFrame(rows)
 
@@ -114,17 +114,15 @@ def heads_figure(plan: Plan, ranks: Sequence[int] | None = None) -> go.Figure:
     """Each rank's (of `ranks`, default all) query-head range inside attention, colored by HP
     group."""
     layout = plan.attention_layout
-    shown = set(_ranks(plan, ranks))
+    shown = _ranks(plan, ranks)
     figure = go.Figure()
-    for group, everyone in enumerate(layout.groups):
-        members = [r for r in everyone if r in shown]
-        if not members:
-            continue
+    for group in sorted({plan.assignments[r].group for r in shown}):
+        members = [r for r in shown if plan.assignments[r].group == group]
         figure.add_trace(
             go.Bar(
                 y=[rank_label(plan, r) for r in members],
-                x=[layout.num_heads_of(r) for r in members],
-                base=[layout.head_ranges[r][0] for r in members],
+                x=[plan.assignments[r].heads for r in members],
+                base=[plan.assignments[r].head_range[0] for r in members],
                 orientation="h",
                 name=f"group {group}",
                 marker_color=_GROUP_COLORS[group % len(_GROUP_COLORS)],
@@ -139,6 +137,11 @@ def heads_figure(plan: Plan, ranks: Sequence[int] | None = None) -> go.Figure:
         barmode="overlay",
     )
     return figure
+
+
+def _token_ranges(plan: Plan, rank: int) -> tuple[tuple[int, int], ...]:
+    layout, local = plan.rank_layout(rank)
+    return layout.token_ranges[local]
 
 
 def time_breakdown_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.DataFrame:
@@ -210,7 +213,7 @@ def node_summary_frame(plan: Plan) -> pd.DataFrame:
     rows = []
     for node, ranks in node_ranks(plan).items():
         predicted = [plan.predicted.ranks[r] for r in ranks]
-        heads = [plan.attention_layout.num_heads_of(r) for r in ranks]
+        heads = [plan.assignments[r].heads for r in ranks]
         memory_GiB = [p.memory_bytes / GiB for p in predicted]
         rows.append(
             {
@@ -257,15 +260,19 @@ def prediction_source_line(plan: Plan) -> str:
 
 def plan_summary(plan: Plan) -> dict[str, object]:
     """The headline numbers of a plan, for metrics and side-by-side comparison."""
-    layout = plan.attention_layout
+    layouts = [replica.layout for replica in plan.replicas]
     return {
         "name": plan.name,
         "cluster": plan.cluster.name,
         "model": plan.model.name,
         "seq_len": plan.train.seq_len,
         "devices": plan.cluster.world_size,
-        "hp_groups": len(layout.groups),
-        "hp_group_sizes": " ".join(str(len(g)) for g in layout.groups),
+        "replicas": len(plan.replicas),
+        "sequences_per_step": plan.train.micro_batches,
+        "hp_groups": sum(len(layout.groups) for layout in layouts),
+        "hp_group_sizes": " | ".join(
+            " ".join(str(len(g)) for g in layout.groups) for layout in layouts
+        ),
         "tokens_per_s": plan.predicted.tokens_per_s,
         "step_time_s": plan.predicted.step_time_s,
         "max_memory_used_pct": 100 * plan.predicted.max_memory_fraction,

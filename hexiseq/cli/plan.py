@@ -81,6 +81,13 @@ def _add_problem_arguments(plan: argparse.ArgumentParser) -> None:
         help="compute dtype the plan is for and `hexiseq run` computes in (auto: bf16 on GPUs, "
         "fp32 on an all-CPU cluster); master weights and AdamW states are fp32 either way",
     )
+    plan.add_argument(
+        "--no-data-parallel",
+        action="store_true",
+        help="plan one CP-HP mesh over the whole cluster only (default: also data-parallel "
+        "replicas, the cluster split by nodes, each its own mesh on its own sequences, picked "
+        "where faster)",
+    )
 
 
 def _add_output_arguments(plan: argparse.ArgumentParser) -> None:
@@ -247,6 +254,7 @@ def _search(
             cost_model=cost_model,
             micro_batches=args.micro_batches,
             precision=args.precision,
+            data_parallel=not args.no_data_parallel,
         )
 
 

@@ -79,7 +79,7 @@ def test_json_document_carries_schema_version_and_all_parts(result, tmp_path):
     path = tmp_path / "plan.json"
     result.best.to_json(path)
     document = json.loads(path.read_text(encoding="utf-8"))
-    assert document["schema_version"] == PLAN_SCHEMA_VERSION == 2
+    assert document["schema_version"] == PLAN_SCHEMA_VERSION == 3
     assert set(document) == {
         "schema_version",
         "name",
@@ -185,7 +185,7 @@ def test_json_that_is_not_an_object(tmp_path):
     _one_line_error(path, r"not a hexiseq plan \(expected a JSON object\)$")
 
 
-@pytest.mark.parametrize("version", [3, 0, "1", None])
+@pytest.mark.parametrize("version", [4, 0, "1", None])
 def test_wrong_schema_version(tmp_path, small_document, version):
     document = copy.deepcopy(small_document)
     document["schema_version"] = version
@@ -193,7 +193,7 @@ def test_wrong_schema_version(tmp_path, small_document, version):
     _one_line_error(
         path,
         re.escape(f"plan file {path}: schema_version {version!r} is not supported; ")
-        + r"this hexiseq reads versions 1 and 2$",
+        + r"this hexiseq reads versions 1, 2 and 3$",
     )
 
 
@@ -212,7 +212,7 @@ def test_a_version_1_plan_loads_and_is_written_as_the_current_version(tmp_path):
     path = tmp_path / "again.json"
     plan.to_json(path)
     again = json.loads(path.read_text(encoding="utf-8"))
-    assert again["schema_version"] == PLAN_SCHEMA_VERSION == 2
+    assert again["schema_version"] == PLAN_SCHEMA_VERSION == 3
     assert Plan.from_json(path) == plan
 
 

@@ -41,14 +41,14 @@ def test_each_replica_takes_its_own_sequences():
     [
         ((Replica((0, 1, 3), THREE, 1),), "every rank 0..3 exactly once"),
         ((Replica((0, 1, 3), THREE, 1), Replica((3,), ONE, 1)), "exactly once"),
-        ((Replica((0, 1), THREE, 1), Replica((2, 3), TWO, 1)), "its layout is for 3"),
+        ((Replica((0, 1), THREE, 1), Replica((2, 3), TWO, 1)), "a layout for 3"),
         ((Replica((0, 1, 3), THREE, 0), Replica((2,), ONE, 1)), "at least 1"),
         (
             (
                 Replica((0, 1, 3), THREE, 1),
                 Replica((2,), zigzag("tiny", [[0]], [24], [[1]], [[8]]), 1),
             ),  # fmt: skip
-            "one sequence length",
+            "layout covers 24 tokens",
         ),
     ],
 )

@@ -1,0 +1,289 @@
+"""Uneven data parallelism over CP-HP meshes: plans of several replicas (issue 15).
+
+A replica plan splits the cluster by nodes into data-parallel replicas. Each is a CP-HP mesh
+planned on its own nodes and takes its own number of sequences per step, so that the replicas
+finish together (HexiScale's uneven batch, for long sequences). After their backward, each
+rank's FP32 gradient shard is summed with the matching parts of the other replicas' shards
+(the runtime all-reduces each piece of a unit among the one rank of every replica that holds
+it), then every rank steps AdamW on its own shard.
+
+Predicted step = the slowest replica's own step (its sequences, its optimizer; the others
+idle until it is done) + the cross-replica gradient reduction: a ring all-reduce of each
+rank's shard among its R peers over the inter-node link, 2 (R - 1) / R of the shard's bytes
+and 2 (R - 1) message latencies per unit; the largest shard sets the time.
+
+The search (`replica_plan`): within each GPU type, its nodes are cut into replicas of m nodes
+(every m from the fewest that hold a sequence while a node's throughput still grows), each
+running its best uniform grid; types that cannot hold a sequence on their own nodes sit
+out; then 1..MAX_SEQUENCES_PER_REPLICA sequences per replica balance the replicas, and every
+replica is simulated again with its count. Replicas mixing GPU types are not searched.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from hexiseq.cluster import Cluster
+from hexiseq.costmodel import CostModel
+from hexiseq.model import ModelSpec
+from hexiseq.plan import InfeasiblePlan, Plan, Prediction, RankAssignment, Replica
+from hexiseq.search._evaluate import Problem, build_plan, evaluate, simulated
+
+MAX_SEQUENCES_PER_REPLICA = 8
+"""The most sequences one replica takes per step (the step's batch grows with them)."""
+
+
+@dataclass(frozen=True)
+class ReplicaPart:
+    """One replica of a replica plan: its plan on its own nodes (`train.micro_batches` is the
+    sequences it takes per step)."""
+
+    plan: Plan
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(node.name for node in self.plan.cluster.nodes)
+
+    @property
+    def sequences(self) -> int:
+        return self.plan.train.micro_batches
+
+
+def compose(
+    cluster: Cluster, parts: Sequence[ReplicaPart], cost: CostModel, name: str, knobs: dict
+) -> Plan:
+    """The plan of `parts` as data-parallel replicas on `cluster`'s nodes they use (file order
+    kept); see the module docstring for its predicted step."""
+    used = {node for part in parts for node in part.nodes}
+    world = cluster
+    if len(used) < len(cluster.nodes):
+        world = cluster.subset([node.name for node in cluster.nodes if node.name in used])
+    ranks_of = {}
+    for device in world.devices:
+        ranks_of.setdefault(device.node, []).append(device.rank)
+    sync_s = gradient_sync_s(world, parts[0].plan.model, [p.plan for p in parts], cost)
+    slowest_s = max(part.plan.predicted.step_time_s for part in parts)
+    step_s = slowest_s + sync_s
+    replicas, assignments, ranks = [], [None] * world.world_size, [None] * world.world_size
+    labels: dict[str, str] = {}
+    for index, part in enumerate(parts):
+        global_ranks = tuple(rank for node in part.nodes for rank in ranks_of[node])
+        plan = part.plan
+        replicas.append(Replica(global_ranks, plan.attention_layout, part.sequences))
+        waits_s = slowest_s - plan.predicted.step_time_s
+        for local, rank in enumerate(global_ranks):
+            own = plan.assignments[local]
+            assignments[rank] = replace(own, rank=rank, replica=index)
+            predicted = plan.predicted.ranks[local]
+            ranks[rank] = replace(
+                predicted,
+                idle_s=predicted.idle_s + waits_s,
+                sharding_exposed_comm_s=predicted.sharding_exposed_comm_s + sync_s,
+            )
+        labels |= plan.predicted.cost_model
+    sequences = sum(part.sequences for part in parts)
+    train = replace(parts[0].plan.train, micro_batches=sequences)
+    prediction = Prediction(step_s, train.tokens_per_step / step_s, tuple(ranks), labels)
+    knobs = {**knobs, "gradient_sync_s": sync_s}
+    return Plan(
+        name,
+        world,
+        parts[0].plan.model,
+        train,
+        replicas[0].layout,
+        tuple(assignments),
+        knobs,
+        prediction,
+        tuple(replicas),
+    )
+
+
+def predict_replicas(plan: Plan, cost: CostModel) -> Prediction:
+    """`plan`'s replicas simulated again under `cost`, each on its own nodes with its layout,
+    state shares and sequences, composed as the search composes them."""
+    devices = plan.cluster.devices
+    parts = []
+    for index, replica in enumerate(plan.replicas):
+        nodes = list(dict.fromkeys(devices[rank].node for rank in replica.ranks))
+        cluster = plan.cluster.subset(nodes, f"{plan.cluster.name}[replica {index}]")
+        train = replace(plan.train, micro_batches=replica.sequences)
+        fractions = [plan.assignments[rank].state_fraction for rank in replica.ranks]
+        problem = Problem(cluster, plan.model, train, cost)
+        step = simulated(problem, replica.layout, fractions)
+        part = build_plan(problem, replica.layout, fractions, plan.name, {}, step)
+        parts.append(ReplicaPart(part))
+    return compose(plan.cluster, parts, cost, plan.name, plan.knobs).predicted
+
+
+def gradient_sync_s(
+    cluster: Cluster, model: ModelSpec, plans: Sequence[Plan], cost: CostModel
+) -> float:
+    """The cross-replica reduction of FP32 gradient shards (module docstring): 0 for one."""
+    count = len(plans)
+    if count < 2:
+        return 0.0
+    largest = max(a.state_fraction for plan in plans for a in plan.assignments)
+    moved = 2.0 * (count - 1) / count * 4.0 * model.params * largest
+    latency_s = cluster.inter_node_latency_us * 1e-6
+    units = model.layers + 1  # one unit per decoder block and the root (runtime.sharding)
+    transfer_s = cost.transfer_time_s(moved, cluster.inter_node_GBps, 0.0)
+    return float(transfer_s) + 2 * (count - 1) * units * latency_s
+
+
+def replica_plan(problem: Problem) -> Plan | InfeasiblePlan | None:
+    """The best plan of several replicas, each GPU type's nodes cut into replicas of its own
+    size (module docstring); None where the cluster cannot be split (one node, or a step of
+    several micro-batches fixed by the user)."""
+    if len(problem.cluster.nodes) < 2 or problem.train.micro_batches != 1:
+        return None
+    chunks = [chunk for gpu in problem.cluster.gpu_types for chunk in _best_chunks(problem, gpu)]
+    if len(chunks) < 2:
+        return InfeasiblePlan(
+            "data-parallel replicas", "fewer than two groups of nodes hold a sequence alone"
+        )
+    checkpointing = any(plan.train.activation_checkpointing for plan in chunks)
+    chunks = [_with_checkpointing(problem, plan, checkpointing) for plan in chunks]
+    counts = balanced_sequences([plan.predicted.step_time_s for plan in chunks])
+    parts = [
+        ReplicaPart(_with_sequences(problem, plan, count)) for plan, count in zip(chunks, counts)
+    ]
+    return compose(problem.cluster, parts, problem.cost, _name(parts), _knobs(problem, parts))
+
+
+def balanced_sequences(step_s: Sequence[float]) -> list[int]:
+    """Sequences per replica (1..MAX_SEQUENCES_PER_REPLICA) for replicas that take `step_s`
+    per sequence: the counts that finish most sequences per second of the slowest replica."""
+    best, best_rate = [1] * len(step_s), 0.0
+    horizons = sorted({k * s for s in step_s for k in range(1, MAX_SEQUENCES_PER_REPLICA + 1)})
+    for horizon_s in horizons:
+        counts = [
+            max(1, min(MAX_SEQUENCES_PER_REPLICA, math.floor(horizon_s / s + 1e-9)))
+            for s in step_s
+        ]
+        rate = sum(counts) / max(k * s for k, s in zip(counts, step_s))
+        if rate > best_rate * (1 + 1e-12):
+            best, best_rate = counts, rate
+    return best
+
+
+def _best_chunks(problem: Problem, gpu: str) -> list[Plan]:
+    """One GPU type's nodes cut into replicas of m nodes (a last, smaller one merged into the
+    one before if it cannot hold a sequence): the m with the most throughput per node, trying
+    m upward from the fewest nodes that hold a sequence until a node's throughput falls."""
+    nodes = [node for node in problem.cluster.nodes if node.gpu == gpu]
+    best, best_rate = [], 0.0
+    for size in range(1, len(nodes) + 1):
+        chunks = _chunks(problem, nodes, size)
+        if chunks is None:
+            if best:
+                break
+            continue
+        rate = sum(p.predicted.tokens_per_s for p in chunks)
+        if rate <= best_rate:
+            break
+        best, best_rate = chunks, rate
+    return best
+
+
+def _chunks(problem: Problem, nodes: list, size: int) -> list[Plan] | None:
+    groups = [nodes[i : i + size] for i in range(0, len(nodes), size)]
+    plans = [_chunk_plan(problem, _subset(problem, group), None, 1) for group in groups]
+    if len(plans) > 1 and not isinstance(plans[-1], Plan):
+        merged = groups[-2] + groups[-1]
+        plans[-2:] = [_chunk_plan(problem, _subset(problem, merged), None, 1)]
+    return plans if all(isinstance(p, Plan) for p in plans) else None
+
+
+def _subset(problem: Problem, nodes: list) -> Cluster:
+    names = [node.name for node in nodes]
+    return problem.cluster.subset(names, f"{problem.cluster.name}[{','.join(names)}]")
+
+
+def _chunk_plan(
+    problem: Problem, cluster: Cluster, checkpointing: bool | None, sequences: int
+) -> Plan | InfeasiblePlan:
+    """The best uniform grid on `cluster` (one GPU type's nodes) for `sequences` sequences
+    per step, with `checkpointing` (None: the search's options), once per node shape."""
+    from hexiseq.search.baselines import uniform_usp  # baselines use this module
+
+    options = problem.checkpointing_options if checkpointing is None else (checkpointing,)
+    shape = tuple(
+        (n.gpu, n.count, n.intra_node_GBps, n.emulation_slowdown, n.memory_GiB)
+        for n in cluster.nodes
+    )
+    key = ("replica chunk", problem.train, shape, options, sequences)
+    if cluster.overrides:
+        key += (cluster.nodes, cluster.overrides)
+    train = replace(problem.train, micro_batches=sequences)
+    plan = problem.memo(
+        key,
+        lambda: uniform_usp(
+            Problem(cluster, problem.model, train, problem.cost, options)
+        ),  # fmt: skip
+    )
+    if isinstance(plan, Plan):  # another chunk of the same shape: its own nodes
+        plan = _on_cluster(plan, cluster)
+    return plan
+
+
+def _on_cluster(plan: Plan, cluster: Cluster) -> Plan:
+    """`plan` (made on nodes of the same shape) on `cluster`'s nodes."""
+    if plan.cluster == cluster:
+        return plan
+    devices = cluster.devices
+    assignments = tuple(
+        replace(a, gpu=devices[a.rank].gpu, node=devices[a.rank].node) for a in plan.assignments
+    )
+    return replace(plan, cluster=cluster, assignments=assignments)
+
+
+def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan:
+    """`plan`'s grid simulated again for `sequences` per step (it stays at one where more
+    do not fit: accumulating gradients takes memory)."""
+    if sequences == plan.train.micro_batches:
+        return plan
+    train = replace(plan.train, micro_batches=sequences)
+    fractions = [a.state_fraction for a in plan.assignments]
+    key = ("replica sequences", plan.cluster, train, plan.attention_layout, tuple(fractions))
+    again = problem.memo(
+        key,
+        lambda: evaluate(
+            Problem(plan.cluster, problem.model, train, problem.cost),
+            plan.attention_layout, fractions, plan.name, plan.knobs,
+        ),  # fmt: skip
+    )
+    return again if isinstance(again, Plan) else plan
+
+
+def _with_checkpointing(problem: Problem, plan: Plan, checkpointing: bool) -> Plan:
+    """Every replica runs one model, so one activation-checkpointing setting for all."""
+    if plan.train.activation_checkpointing == checkpointing:
+        return plan
+    outcome = _chunk_plan(problem, plan.cluster, checkpointing, 1)
+    return outcome if isinstance(outcome, Plan) else plan
+
+
+def _name(parts: Sequence[ReplicaPart]) -> str:
+    by_type: dict[str, list[ReplicaPart]] = {}
+    for part in parts:
+        by_type.setdefault(part.plan.cluster.devices[0].gpu, []).append(part)
+    described = [
+        f"{len(group)} x {gpu} x {group[0].plan.cluster.world_size}" for gpu, group in by_type.items()
+    ]
+    return f"data-parallel replicas ({'; '.join(described)})"
+
+
+def _knobs(problem: Problem, parts: Sequence[ReplicaPart]) -> dict:
+    used = sum(part.plan.cluster.world_size for part in parts)
+    return {
+        "replicas": len(parts),
+        "replica_nodes": [list(part.nodes) for part in parts],
+        "sequences": [part.sequences for part in parts],
+        "replica_grids": [part.plan.name for part in parts],
+        "activation_checkpointing": parts[0].plan.train.activation_checkpointing,
+        "devices_used": used,
+        "devices_dropped": problem.cluster.world_size - used,
+    }
+
