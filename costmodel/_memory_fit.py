@@ -78,7 +78,9 @@ def _modelled_memory(plan, source: RuntimeSource) -> list:
     replica's own mesh (a plan of several data-parallel replicas)."""
     if not plan.data_parallel:
         fractions = _run_state_fractions(plan, source)
-        return list(estimate_memory(plan.cluster, plan.model, plan.train, plan.layout(), fractions))
+        return list(
+            estimate_memory(plan.cluster, plan.model, plan.train, plan.layout(), fractions)
+        )
     modelled = [None] * plan.cluster.world_size
     for index, replica in enumerate(plan.replicas):
         for rank, memory in zip(replica.ranks, _modelled_memory(plan.replica_plan(index), source)):

@@ -199,9 +199,10 @@ class Plan:
     `replicas`: the data-parallel replicas, each a CP-HP mesh with its own layout and its own
     sequences per step (together `train.micro_batches`); left empty (or given one), the plan
     is one mesh over the whole cluster and `replicas` is that one, made from
-    `attention_layout` and `train` (so `dataclasses.replace` of either keeps it true). A plan of several replicas
-    keeps the first replica's layout as `attention_layout` (there is no one layout of the
-    world then: `layout()` refuses, and each replica's is `replicas[i].layout`)."""
+    `attention_layout` and `train` (so `dataclasses.replace` of either keeps it true). A plan
+    of several replicas keeps the first replica's layout as `attention_layout` (there is no
+    one layout of the world then: `layout()` refuses, and each replica's is
+    `replicas[i].layout`)."""
 
     name: str
     cluster: Cluster

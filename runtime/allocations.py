@@ -187,7 +187,8 @@ def measure_step_allocations(
     )
     model = training.build_plan_model(plan, context, 0, sharded)
     optimizer = training.build_optimizer(model, 1e-3, fused=sharded)
-    positions = token_positions(plan.layout(), rank)
+    mesh = context.mesh_of(plan)  # one mesh: the memory probe runs no replicas
+    positions = token_positions(mesh.layout, mesh.local_rank)
     tracker = AllocationTracker()
     tracker.track(model.parameters(), "parameters")
     after_forward: dict[str, int] = {}

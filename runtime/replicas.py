@@ -134,7 +134,13 @@ class Mesh:
 
 
 def plan_mesh(plan: Plan, rank: int) -> Mesh:
-    """This rank's mesh in a plan of one mesh (no process group is created)."""
+    """This rank's mesh in a plan of one mesh (no process group is created); a plan of
+    several replicas needs `join_mesh` (InputError)."""
+    if plan.data_parallel:
+        raise InputError(
+            f"plan {plan.name} runs {len(plan.replicas)} data-parallel replicas: each rank joins "
+            "its replica's process group first (runtime.replicas.join_mesh)"
+        )
     replica = plan.replicas[0]
     return Mesh(
         index=0,
@@ -184,7 +190,7 @@ class CrossReplicaReduction:
     """Sums sharded FP32 gradients across replicas whose shards differ (uneven sizes and
     state shares): each unit's flat range is cut at every replica's shard boundaries, so that
     each piece lies in one shard of every replica; the pieces with the same owners (one rank
-    per replica) are all-reduced together, one collective per set of owners, in one order on
+    per replica) are all-reduced among those owners, every set of owners in one order on
     every rank (so no two ranks wait on each other). Creating it is collective over the world
     (one process group per set of owners)."""
 
@@ -194,7 +200,7 @@ class CrossReplicaReduction:
         pieces: list[_Piece] = []
         for unit, size in enumerate(unit_sizes):
             starts = [_shard_starts(plan, replica, size) for replica in plan.replicas]
-            for replica, shard_starts in zip(plan.replicas, starts):
+            for shard_starts in starts:
                 if rank in shard_starts:
                     self.offsets[unit] = shard_starts[rank][0]
             pieces += _pieces(unit, size, plan.replicas, starts)
@@ -207,16 +213,15 @@ class CrossReplicaReduction:
         ]
 
     def reduce(self, masters: Sequence[torch.Tensor]) -> None:
-        """Sum each unit's master-shard gradient (`masters[unit].grad`) over the replicas."""
+        """Sum each unit's master-shard gradient (`masters[unit].grad`) over the replicas, in
+        place: one all-reduce per piece, no buffer beside the gradients (the memory model
+        counts none)."""
         for owners, pieces in self.mine:
-            views = [
-                masters[p.unit].grad[p.start - self.offsets[p.unit] : p.stop - self.offsets[p.unit]]
-                for p in pieces
-            ]
-            flat = torch.cat(views)
-            dist.all_reduce(flat, group=self.groups[owners])
-            for view, summed in zip(views, torch.split(flat, [v.numel() for v in views])):
-                view.copy_(summed)
+            group = self.groups[owners]
+            for piece in pieces:
+                offset = self.offsets[piece.unit]
+                gradient = masters[piece.unit].grad
+                dist.all_reduce(gradient[piece.start - offset : piece.stop - offset], group=group)
 
 
 def _shard_starts(plan: Plan, replica: Replica, size: int) -> dict[int, tuple[int, int]]:

@@ -3,9 +3,16 @@
     torchrun --nproc-per-node N -m hexiseq.runtime.train --plan plan.json --steps K [--store URL]
 
 Loads the `Plan`, checks the world size against it, builds the plan's model (seeded, the same
-on every rank) over `CPHPAttention(plan.layout())` on CPU (gloo) or CUDA (NCCL), draws random
-tokens (seeded per step), runs K AdamW steps and records one row per rank per step in the
-store (`runtime_runs` / `runtime_measurements`), written by rank 0 after each step.
+on every rank) over `CPHPAttention` of the rank's mesh on CPU (gloo) or CUDA (NCCL), draws
+random tokens (seeded per step), runs K AdamW steps and records one row per rank per step in
+the store (`runtime_runs` / `runtime_measurements`), written by rank 0 after each step.
+
+A plan of several data-parallel replicas (`Plan.replicas`): each replica is its own process
+group running its own layout on its own sequences of the step (`replicas.join_mesh`); its
+model states are sharded inside the replica in its ranks' shares, each rank's loss share is
+its part of the mean over every sequence of the step, and after the backward the shards'
+gradients are summed across replicas (`replicas.CrossReplicaReduction`; replicated states:
+one all-reduce over the world) before AdamW.
 
 What is measured (per rank, per step):
 - step_time_s: barrier -> barrier around the whole step (forward, backward, gradient
@@ -59,13 +66,13 @@ from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placemen
 )
 from hexiseq.runtime.attention import CPHPAttention
 from hexiseq.runtime.kernels import take_used_kernels
-from hexiseq.runtime.replicas import CrossReplicaReduction, Mesh, join_mesh, plan_mesh
 from hexiseq.runtime.loss import (
     all_reduce_gradients,
     chunked_next_token_loss,
     next_token_labels,
 )
 from hexiseq.runtime.model import LlamaModel, build_model, token_positions
+from hexiseq.runtime.replicas import CrossReplicaReduction, Mesh, join_mesh, plan_mesh
 from hexiseq.runtime.sharding import (
     LEGACY_STATE_SHARDING,
     STATE_SHARDING,

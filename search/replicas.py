@@ -1,8 +1,10 @@
 """Uneven data parallelism over CP-HP meshes: plans of several replicas (issue 15).
 
-A replica plan splits the cluster by nodes into data-parallel replicas. Each is a CP-HP mesh
-planned on its own nodes and takes its own number of sequences per step, so that the replicas
-finish together (HexiScale's uneven batch, for long sequences). After their backward, each
+A replica plan splits the cluster by nodes into data-parallel replicas that share the step's
+batch (`train.micro_batches` sequences, the same batch one mesh would take one sequence after
+another). Each replica is a CP-HP mesh planned on its own nodes and takes its own number of
+the batch's sequences, so that the replicas finish together (HexiScale's uneven batch, for
+long sequences). After their backward, each
 rank's FP32 gradient shard is summed with the matching parts of the other replicas' shards
 (the runtime all-reduces each piece of a unit among the one rank of every replica that holds
 it), then every rank steps AdamW on its own shard.
@@ -15,24 +17,22 @@ and 2 (R - 1) message latencies per unit; the largest shard sets the time.
 The search (`replica_plan`): within each GPU type, its nodes are cut into replicas of m nodes
 (every m from the fewest that hold a sequence while a node's throughput still grows), each
 running its best uniform grid; types that cannot hold a sequence on their own nodes sit
-out; then 1..MAX_SEQUENCES_PER_REPLICA sequences per replica balance the replicas, and every
-replica is simulated again with its count. Replicas mixing GPU types are not searched.
+out; while there are more replicas than sequences, every type's replicas are made twice as
+large; the batch's sequences go one by one to the replica that would finish its next one
+first, and every replica is simulated again with its count (one given none sits out).
+Replicas mixing GPU types, or smaller than a node, are not searched.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel import CostModel
 from hexiseq.model import ModelSpec
-from hexiseq.plan import InfeasiblePlan, Plan, Prediction, RankAssignment, Replica
+from hexiseq.plan import InfeasiblePlan, Plan, Prediction, Replica
 from hexiseq.search._evaluate import Problem, build_plan, evaluate, simulated
-
-MAX_SEQUENCES_PER_REPLICA = 8
-"""The most sequences one replica takes per step (the step's batch grows with them)."""
 
 
 @dataclass(frozen=True)
@@ -133,39 +133,76 @@ def gradient_sync_s(
 
 
 def replica_plan(problem: Problem) -> Plan | InfeasiblePlan | None:
-    """The best plan of several replicas, each GPU type's nodes cut into replicas of its own
-    size (module docstring); None where the cluster cannot be split (one node, or a step of
-    several micro-batches fixed by the user)."""
-    if len(problem.cluster.nodes) < 2 or problem.train.micro_batches != 1:
+    """The best plan of several replicas sharing the step's `train.micro_batches` sequences
+    (module docstring); None where the cluster cannot be split (one node, or one sequence
+    per step)."""
+    total = problem.train.micro_batches
+    if len(problem.cluster.nodes) < 2 or total < 2:
         return None
-    chunks = [chunk for gpu in problem.cluster.gpu_types for chunk in _best_chunks(problem, gpu)]
-    if len(chunks) < 2:
+    one = replace(problem, train=replace(problem.train, micro_batches=1))
+    chunked = {gpu: _best_chunks(one, gpu) for gpu in problem.cluster.gpu_types}
+    found = [
+        plan
+        for chunks in _fewer_replicas(one, chunked, total)
+        if (plan := _replicas_of(one, chunks, total)) is not None
+    ]
+    if not found:
         return InfeasiblePlan(
             "data-parallel replicas", "fewer than two groups of nodes hold a sequence alone"
         )
+    return max(found, key=lambda plan: plan.predicted.tokens_per_s)
+
+
+def _fewer_replicas(problem: Problem, chunked: dict[str, list[Plan]], total: int):
+    """The per-type chunks, then with every type's replicas twice as large, again and again,
+    while there are more replicas than sequences (a replica without one would sit idle)."""
+    yield [plan for chunks in chunked.values() for plan in chunks]
+    for _ in range(REGROUPINGS):
+        if sum(len(chunks) for chunks in chunked.values()) <= total:
+            return
+        chunked = {gpu: _regrouped(problem, chunks) for gpu, chunks in chunked.items()}
+        yield [plan for chunks in chunked.values() for plan in chunks]
+
+
+REGROUPINGS = 4
+"""How many times replicas are made twice as large for a batch of few sequences."""
+
+
+def _regrouped(problem: Problem, chunks: list[Plan]) -> list[Plan]:
+    """One type's nodes in replicas of twice the nodes of `chunks`' first."""
+    if len(chunks) < 2:
+        return chunks
+    nodes = [node for plan in chunks for node in plan.cluster.nodes]
+    return _chunks(problem, nodes, 2 * len(chunks[0].cluster.nodes)) or chunks
+
+
+def _replicas_of(problem: Problem, chunks: list[Plan], total: int) -> Plan | None:
+    """`chunks` (per-sequence plans) as replicas sharing `total` sequences: balanced, then
+    each simulated with its count; a chunk given none sits out. None with fewer than two."""
+    if len(chunks) < 2:
+        return None
     checkpointing = any(plan.train.activation_checkpointing for plan in chunks)
     chunks = [_with_checkpointing(problem, plan, checkpointing) for plan in chunks]
-    counts = balanced_sequences([plan.predicted.step_time_s for plan in chunks])
+    counts = balanced_sequences([plan.predicted.step_time_s for plan in chunks], total)
     parts = [
-        ReplicaPart(_with_sequences(problem, plan, count)) for plan, count in zip(chunks, counts)
+        ReplicaPart(_with_sequences(problem, plan, count))
+        for plan, count in zip(chunks, counts)
+        if count > 0
     ]
+    if len(parts) < 2:
+        return None
     return compose(problem.cluster, parts, problem.cost, _name(parts), _knobs(problem, parts))
 
 
-def balanced_sequences(step_s: Sequence[float]) -> list[int]:
-    """Sequences per replica (1..MAX_SEQUENCES_PER_REPLICA) for replicas that take `step_s`
-    per sequence: the counts that finish most sequences per second of the slowest replica."""
-    best, best_rate = [1] * len(step_s), 0.0
-    horizons = sorted({k * s for s in step_s for k in range(1, MAX_SEQUENCES_PER_REPLICA + 1)})
-    for horizon_s in horizons:
-        counts = [
-            max(1, min(MAX_SEQUENCES_PER_REPLICA, math.floor(horizon_s / s + 1e-9)))
-            for s in step_s
-        ]
-        rate = sum(counts) / max(k * s for k, s in zip(counts, step_s))
-        if rate > best_rate * (1 + 1e-12):
-            best, best_rate = counts, rate
-    return best
+def balanced_sequences(step_s: Sequence[float], total: int) -> list[int]:
+    """`total` sequences over replicas that take `step_s` per sequence, so that the slowest
+    finishes first: each next sequence to the replica that would finish it earliest (optimal
+    for equal sequences: the least makespan)."""
+    counts = [0] * len(step_s)
+    for _ in range(total):
+        index = min(range(len(step_s)), key=lambda i: ((counts[i] + 1) * step_s[i], i))
+        counts[index] += 1
+    return counts
 
 
 def _best_chunks(problem: Problem, gpu: str) -> list[Plan]:
@@ -251,7 +288,10 @@ def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan:
         key,
         lambda: evaluate(
             Problem(plan.cluster, problem.model, train, problem.cost),
-            plan.attention_layout, fractions, plan.name, plan.knobs,
+            plan.attention_layout,
+            fractions,
+            plan.name,
+            plan.knobs,
         ),  # fmt: skip
     )
     return again if isinstance(again, Plan) else plan
@@ -270,7 +310,8 @@ def _name(parts: Sequence[ReplicaPart]) -> str:
     for part in parts:
         by_type.setdefault(part.plan.cluster.devices[0].gpu, []).append(part)
     described = [
-        f"{len(group)} x {gpu} x {group[0].plan.cluster.world_size}" for gpu, group in by_type.items()
+        f"{len(group)} x {gpu} x {group[0].plan.cluster.world_size}"
+        for gpu, group in by_type.items()
     ]
     return f"data-parallel replicas ({'; '.join(described)})"
 
@@ -286,4 +327,3 @@ def _knobs(problem: Problem, parts: Sequence[ReplicaPart]) -> dict:
         "devices_used": used,
         "devices_dropped": problem.cluster.world_size - used,
     }
-

@@ -52,9 +52,7 @@ def assignments_frame(plan: Plan, ranks: Sequence[int] | None = None) -> pd.Data
                 "heads": high - low,
                 "head_range": f"[{low}, {high})",
                 "tokens": assignment.tokens,
-                "token_ranges": " ".join(
-                    f"[{s}, {e})" for s, e in layout.token_ranges[local]
-                ),
+                "token_ranges": " ".join(f"[{s}, {e})" for s, e in layout.token_ranges[local]),
                 "state_fraction": assignment.state_fraction,
                 "busy_s": predicted.busy_s,
                 "memory_GiB": predicted.memory_bytes / GiB,

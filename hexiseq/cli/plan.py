@@ -364,6 +364,11 @@ def plan_document(plan: Plan) -> dict[str, Any]:
         "activation_checkpointing": plan.train.activation_checkpointing,
         "cost_model": dict(predicted.cost_model),
         "knobs": plan.knobs,
+        "sequences_per_step": plan.train.micro_batches,
+        "replicas": [
+            {"ranks": list(replica.ranks), "sequences": replica.sequences}
+            for replica in plan.replicas
+        ],
         "ranks": [
             _rank_row(assignment, rank)
             for assignment, rank in zip(plan.assignments, predicted.ranks)
@@ -374,6 +379,7 @@ def plan_document(plan: Plan) -> dict[str, Any]:
 def _rank_row(assignment, rank) -> dict[str, Any]:
     return {
         "rank": assignment.rank,
+        "replica": assignment.replica,
         "node": assignment.node,
         "gpu": assignment.gpu,
         "group": assignment.group,

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as functional
 from model_cases import TOLERANCE, relative_error
 
-from hexiseq import Cluster, ModelSpec, Plan
+from hexiseq import Cluster, Plan
 from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.search import plan_search
 from hexiseq.search.replicas import ReplicaPart, compose

@@ -212,7 +212,7 @@ class _ReadWhileFinishing:
 
 
 def test_a_trial_read_while_another_process_finishes_it_is_no_polish_start(tmp_path):
-    from search.optuna_layer import _best_feasible
+    from hexiseq.search.optuna_layer import _best_feasible
 
     url = f"sqlite:///{tmp_path / 'study.db'}"
     plan_search("cpu-emulated-2type", "tiny", 512, n_trials=1, storage=url, study_name="s")
