@@ -12,6 +12,7 @@ from hexiseq.model import ModelSpec, TrainSpec
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.baselines import (
+    BASELINE_NAMES,
     DataParallelBaseline,
     all_baselines,
     data_parallel,
@@ -133,6 +134,8 @@ def search(
         cost=options.cost_model or DatasheetCostModel(),
         checkpointing_options=options.checkpointing_options,
     )
+    if cluster_spec.world_size > MAX_PLANNED_DEVICES:
+        return _replicas_only(problem, options)
     baselines = all_baselines(problem)
     outcome = run_study(problem, options)
     trials = outcome.records + [trial_of({}, b) for b in baselines.values()]
@@ -164,14 +167,29 @@ def _cluster(cluster) -> Cluster:
         raise InputError(
             f"cluster must be a hexiseq.Cluster, a preset name or a YAML path (got {cluster!r})"
         )
-    spec = cluster if isinstance(cluster, Cluster) else Cluster.load(str(cluster))
-    if spec.world_size > MAX_PLANNED_DEVICES:
+    return cluster if isinstance(cluster, Cluster) else Cluster.load(str(cluster))
+
+
+def _replicas_only(problem: Problem, options: SearchOptions) -> SearchResult:
+    """A cluster too large for one mesh: data-parallel replicas only (their meshes are planned
+    per node shape, not per rank), or one line saying what to give."""
+    cluster = problem.cluster
+    beyond = (
+        f"cluster {cluster.name} has {cluster.world_size:,} devices; hexiseq plans one CP-HP "
+        f"mesh of at most {MAX_PLANNED_DEVICES:,}"
+    )
+    if not options.data_parallel or problem.train.micro_batches < 2:
         raise InputError(
-            f"cluster {spec.name} has {spec.world_size:,} devices; hexiseq plans one CP-HP "
-            f"mesh of at most {MAX_PLANNED_DEVICES:,} (plan a part of the cluster; "
-            "data-parallel replicas over larger clusters are not supported yet)"
+            f"{beyond}: give the step's batch (--micro-batches N, Python micro_batches=N, at "
+            "least 2) to plan data-parallel replicas sharing it, or plan a part of the cluster"
         )
-    return spec
+    replicated = replica_plan(problem)
+    if not isinstance(replicated, Plan):
+        reason = replicated.reason if replicated is not None else "no replicas"
+        raise InfeasibleError(f"{beyond}, and no data-parallel replicas fit: {reason}", {})
+    not_planned = f"not planned: one mesh over {cluster.world_size:,} devices"
+    baselines = {name: InfeasiblePlan(name, not_planned) for name in BASELINE_NAMES}
+    return SearchResult(replicated, baselines, [trial_of({}, replicated)])
 
 
 def _model(model) -> ModelSpec:

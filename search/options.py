@@ -37,14 +37,16 @@ class SearchOptions(BaseModel):
     - `cost_model`: the cost model to plan with (default: the datasheet model).
     - `activation_checkpointing`: None lets the search drop the recompute wherever memory
       allows; True or False forces it.
-    - `micro_batches`: sequences per step, one after another (gradient accumulation).
+    - `micro_batches`: sequences per step (the global batch): one mesh takes them one after
+      another (gradient accumulation), data-parallel replicas share them.
     - `precision`: the compute dtype the plan is for and `hexiseq run` computes in: "bf16",
       "fp32", or "auto" (bf16 on GPUs, fp32 on an all-CPU cluster, as the runtime runs there);
       master weights, gradients and AdamW states are FP32 either way.
     - `show_progress`: Optuna's progress bar.
-    - `data_parallel`: also plan data-parallel replicas (the cluster split by nodes, each
-      part its own CP-HP mesh on its own sequences) and pick them where they are faster;
-      False: one CP-HP mesh over the whole cluster only.
+    - `data_parallel`: with several sequences per step, also plan data-parallel replicas
+      sharing them (the cluster split by nodes, each part its own CP-HP mesh on its own
+      sequences) and pick them where they are faster; False: one CP-HP mesh over the whole
+      cluster only.
     """
 
     model_config = ConfigDict(

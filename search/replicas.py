@@ -25,6 +25,7 @@ Replicas mixing GPU types, or smaller than a node, are not searched.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -199,9 +200,12 @@ def balanced_sequences(step_s: Sequence[float], total: int) -> list[int]:
     finishes first: each next sequence to the replica that would finish it earliest (optimal
     for equal sequences: the least makespan)."""
     counts = [0] * len(step_s)
+    finishes = [(s, i) for i, s in enumerate(step_s)]  # (end of its next sequence, replica)
+    heapq.heapify(finishes)
     for _ in range(total):
-        index = min(range(len(step_s)), key=lambda i: ((counts[i] + 1) * step_s[i], i))
+        _, index = heapq.heappop(finishes)
         counts[index] += 1
+        heapq.heappush(finishes, ((counts[index] + 1) * step_s[index], index))
     return counts
 
 
@@ -246,13 +250,7 @@ def _chunk_plan(
     from hexiseq.search.baselines import uniform_usp  # baselines use this module
 
     options = problem.checkpointing_options if checkpointing is None else (checkpointing,)
-    shape = tuple(
-        (n.gpu, n.count, n.intra_node_GBps, n.emulation_slowdown, n.memory_GiB)
-        for n in cluster.nodes
-    )
-    key = ("replica chunk", problem.train, shape, options, sequences)
-    if cluster.overrides:
-        key += (cluster.nodes, cluster.overrides)
+    key = ("replica chunk", problem.train, _shape(cluster), options, sequences)
     train = replace(problem.train, micro_batches=sequences)
     plan = problem.memo(
         key,
@@ -263,6 +261,16 @@ def _chunk_plan(
     if isinstance(plan, Plan):  # another chunk of the same shape: its own nodes
         plan = _on_cluster(plan, cluster)
     return plan
+
+
+def _shape(cluster: Cluster) -> tuple:
+    """What a chunk's plan depends on in its cluster: its nodes but for their names (and
+    the nodes themselves where links between them are declared one by one)."""
+    shape = tuple(
+        (n.gpu, n.count, n.intra_node_GBps, n.emulation_slowdown, n.memory_GiB)
+        for n in cluster.nodes
+    )
+    return (shape, cluster.nodes, cluster.overrides) if cluster.overrides else shape
 
 
 def _on_cluster(plan: Plan, cluster: Cluster) -> Plan:
@@ -283,7 +291,8 @@ def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan:
         return plan
     train = replace(plan.train, micro_batches=sequences)
     fractions = [a.state_fraction for a in plan.assignments]
-    key = ("replica sequences", plan.cluster, train, plan.attention_layout, tuple(fractions))
+    shape = _shape(plan.cluster)
+    key = ("replica sequences", shape, train, plan.attention_layout, tuple(fractions))
     again = problem.memo(
         key,
         lambda: evaluate(
@@ -294,7 +303,7 @@ def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan:
             plan.knobs,
         ),  # fmt: skip
     )
-    return again if isinstance(again, Plan) else plan
+    return _on_cluster(again, plan.cluster) if isinstance(again, Plan) else plan
 
 
 def _with_checkpointing(problem: Problem, plan: Plan, checkpointing: bool) -> Plan:

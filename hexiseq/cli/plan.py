@@ -72,7 +72,8 @@ def _add_problem_arguments(plan: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         metavar="N",
-        help="sequences per step, one after another (gradient accumulation; default 1)",
+        help="sequences per step (the global batch; default 1): one mesh takes them one after "
+        "another (gradient accumulation), data-parallel replicas share them",
     )
     plan.add_argument(
         "--precision",

@@ -11,7 +11,7 @@ import math
 
 import pytest
 
-from hexiseq import InputError, Plan, plan_search, predict
+from hexiseq import InfeasiblePlan, InputError, Plan, plan_search, predict
 from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.report import format_plan
 from hexiseq.search.replicas import balanced_sequences, gradient_sync_s
@@ -166,3 +166,28 @@ def test_a_plan_of_one_mesh_keeps_its_replica_true_under_replace(mix32):
     train = dataclasses.replace(mesh.train, micro_batches=3)
     assert dataclasses.replace(mesh, train=train).replicas[0].sequences == 3
     assert "replicas" not in mesh.to_dict()
+
+
+def mixed_cluster(nodes_per_type: int):
+    from hexiseq import Cluster
+
+    types = ("H200", "H100-SXM", "A100-80G", "L40S")
+    nodes = [
+        {"name": f"{gpu.lower()}-{i}", "gpu": gpu, "count": 8}
+        for gpu in types
+        for i in range(nodes_per_type)
+    ]
+    network = {"inter_node_GBps": 25, "inter_node_latency_us": 5}
+    return Cluster.from_dict({"name": "mixed", "nodes": nodes, "network": network})
+
+
+def test_16384_mixed_gpus_are_planned_as_replicas_not_ranks():
+    """Beyond the one-mesh planner's 4,096 devices a batch is planned as replicas (each
+    mesh once per node shape); the baselines say they were not planned."""
+    result = plan_search(mixed_cluster(512), "llama3.2-3b", "32k", micro_batches=4096)
+    plan = result.best
+    assert plan.cluster.world_size == 16384 and plan.data_parallel
+    assert sum(r.sequences for r in plan.replicas) == 4096 and len(plan.replicas) == 2048
+    assert all(isinstance(b, InfeasiblePlan) for b in result.baselines.values())
+    with pytest.raises(InputError, match="micro-batches"):
+        plan_search(mixed_cluster(512), "llama3.2-3b", "32k")
