@@ -138,8 +138,9 @@ def format_data_parallel(result: Any) -> str:
     if ratio < 1.0:
         text += (
             "\nnote: running each GPU type as its own data-parallel replica (on a batch of "
-            "several sequences) is predicted faster than this plan; give the step's batch "
-            "(--micro-batches N) and hexiseq plans data-parallel replicas sharing it"
+            f"{replicas.sequences} sequences per step) is predicted faster than this plan; "
+            "give the step's batch (--micro-batches N) and hexiseq plans data-parallel "
+            "replicas sharing it"
         )
     return text
 

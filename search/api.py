@@ -36,7 +36,8 @@ class SearchResult:
     study_name: str = ""
     data_parallel: DataParallelBaseline | None = None
     """Every GPU type that holds a sequence alone as its own data-parallel replica (None
-    with fewer than two such types): a baseline hexiseq cannot run yet (issue 15)."""
+    with fewer than two such types), each on up to 8 sequences per step: a baseline at its
+    own batch (`plan_search(..., micro_batches=N)` plans replicas sharing a batch of N)."""
 
     @property
     def strongest_baseline(self) -> Plan | None:

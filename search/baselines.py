@@ -191,6 +191,11 @@ class DataParallelBaseline:
 
     name = "data-parallel replicas"
 
+    @property
+    def sequences(self) -> int:
+        """The step's batch: every replica's sequences."""
+        return sum(r.sequences for r in self.replicas)
+
     def describe(self) -> str:
         parts = [
             f"{r.gpu} x {r.plan.cluster.world_size}: {r.sequences} seq/step" for r in self.replicas

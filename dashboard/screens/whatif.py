@@ -145,8 +145,10 @@ def _show(entry: dict) -> None:
     speedup = result.speedup_over_data_parallel()
     if speedup is not None and speedup < 1.0:
         st.warning(
-            "Running each GPU type as its own data-parallel replica is predicted faster than "
-            f"this plan (hexiseq {speedup:.2f}x of it); hexiseq cannot run replicas yet."
+            "Running each GPU type as its own data-parallel replica, on a batch of "
+            f"{result.data_parallel.sequences} sequences per step, is predicted faster than "
+            f"this plan (hexiseq {speedup:.2f}x of it); plan that batch (micro-batches) and "
+            "hexiseq plans data-parallel replicas sharing it."
         )
     st.plotly_chart(plan_views.segments_figure(result.best), key="whatif_segments")
     if st.button("Save the plan and its baselines to the store", key="whatif_save"):

@@ -49,7 +49,8 @@ def _replicas_row(replicas: Any, best: Plan) -> dict[str, Any]:
         "step_time_s": replicas.step_time_s,
         "plan_speedup": best.predicted.tokens_per_s / replicas.tokens_per_s,
         "status": "fits",
-        "reason": f"{replicas.describe()}; hexiseq cannot run data-parallel replicas yet",
+        "reason": f"{replicas.describe()}; a batch of {replicas.sequences} sequences per step "
+        "(plan that batch, micro-batches, and hexiseq plans its own replicas sharing it)",
     }
 
 

@@ -303,7 +303,7 @@ def test_the_data_parallel_replicas_row_says_hexiseq_cannot_run_them():
     row = frame[frame["candidate"] == "data-parallel replicas"].iloc[0]
     assert row["tokens_per_s"] == pytest.approx(result.data_parallel.tokens_per_s)
     assert row["plan_speedup"] == pytest.approx(result.speedup_over_data_parallel())
-    assert "cannot run data-parallel replicas yet" in row["reason"]
+    assert f"a batch of {result.data_parallel.sequences} sequences" in row["reason"]
 
 
 @pytest.fixture(scope="module")
@@ -374,3 +374,35 @@ def test_cost_model_kind_of_every_label():
     assert plan_views.cost_model_kind("fitted (profile run 1, 2026-11-22)") == "fitted"
     assert plan_views.cost_model_kind("datasheet estimate") == "datasheet"
     assert plan_views.cost_model_kind("measured CPU peak") == "datasheet"
+
+
+@pytest.fixture(scope="module")
+def replica_plan():
+    """A plan of data-parallel replicas: a batch of 3 on the emulated 2-type cluster."""
+    from hexiseq.search import plan_search
+
+    plan = plan_search("cpu-emulated-2type", "tiny", 256, micro_batches=3).best
+    assert plan.data_parallel
+    return plan
+
+
+def test_each_replicas_segments_cover_every_token_once(replica_plan):
+    frame = plan_views.segments_frame(replica_plan)
+    for replica in replica_plan.replicas:
+        mine = frame[frame["rank"].isin(replica.ranks)].sort_values("start")
+        assert list(mine["start"]) == [0, *list(mine["end"])[:-1]]
+        assert mine["end"].max() == replica_plan.train.seq_len
+
+
+def test_replica_views_name_each_ranks_replica(replica_plan):
+    assignments = plan_views.assignments_frame(replica_plan)
+    assert list(assignments["replica"]) == [a.replica for a in replica_plan.assignments]
+    rings = cluster_views.ring_hops_frame(replica_plan)
+    groups = sum(len(r.layout.groups) for r in replica_plan.replicas)
+    assert len(rings) == groups and set(rings["replica"]) == {0, 1}
+    for _, row in rings.iterrows():  # each ring's ranks are its replica's
+        ranks = {int(rank) for rank in row["ranks"].split(", ")}
+        assert ranks <= set(replica_plan.replicas[row["replica"]].ranks)
+    summary = plan_views.plan_summary(replica_plan)
+    assert (summary["replicas"], summary["sequences_per_step"]) == (2, 3)
+    assert len(memory_views.memory_frame(replica_plan)) == replica_plan.cluster.world_size

@@ -153,4 +153,4 @@ def test_the_cli_says_when_replicas_would_beat_the_plan(tmp_path):
     text = format_search_result(result)
     assert "data-parallel replicas (H100-SXM x 8" in text
     ratio = result.speedup_over_data_parallel()
-    assert (ratio < 1.0) == ("hexiseq cannot run data-parallel replicas yet" in text)
+    assert (ratio < 1.0) == ("hexiseq plans data-parallel replicas sharing it" in text)
