@@ -26,6 +26,7 @@ Replicas mixing GPU types, or smaller than a node, are not searched.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -142,16 +143,78 @@ def replica_plan(problem: Problem) -> Plan | InfeasiblePlan | None:
         return None
     one = replace(problem, train=replace(problem.train, micro_batches=1))
     chunked = {gpu: _best_chunks(one, gpu) for gpu in problem.cluster.gpu_types}
+    candidates = [*_fewer_replicas(one, chunked, total), *_mixed_replicas(one, total)]
     found = [
-        plan
-        for chunks in _fewer_replicas(one, chunked, total)
-        if (plan := _replicas_of(one, chunks, total)) is not None
+        plan for chunks in candidates if (plan := _replicas_of(one, chunks, total)) is not None
     ]
     if not found:
         return InfeasiblePlan(
             "data-parallel replicas", "fewer than two groups of nodes hold a sequence alone"
         )
     return max(found, key=lambda plan: plan.predicted.tokens_per_s)
+
+
+def _mixed_replicas(problem: Problem, total: int):
+    """The cluster cut into k replicas of the same GPU mix (each type's nodes in k equal
+    runs), for every k > 1 that divides every type's node count and is at most the batch:
+    each replica planned by the search of one mesh (uneven heads and shards across its
+    types), once per node shape."""
+    by_type: dict[str, list] = {}
+    for node in problem.cluster.nodes:
+        by_type.setdefault(node.gpu, []).append(node)
+    if len(by_type) < 2:
+        return
+    common = math.gcd(*(len(nodes) for nodes in by_type.values()))
+    world, found = problem.cluster.world_size, 0
+    for k in range(min(common, total), 1, -1):  # the smallest replicas first
+        if common % k or world // k > MAX_MIXED_REPLICA_DEVICES:
+            continue
+        replicas = []
+        for j in range(k):
+            nodes = [n for group in by_type.values() for n in _run(group, j, k)]
+            replicas.append(_mesh_plan(problem, _subset(problem, nodes)))
+        if all(isinstance(plan, Plan) for plan in replicas):
+            yield replicas
+            found += 1
+            if found == MIXED_CANDIDATES:
+                return
+
+
+MAX_MIXED_REPLICA_DEVICES = 128
+"""The largest mixed replica planned (each is a search of one mesh, about 0.5 s at 128)."""
+MIXED_CANDIDATES = 2
+"""Mixed replica sizes tried: the two smallest that hold a sequence."""
+
+
+def _run(nodes: list, index: int, count: int) -> list:
+    size = len(nodes) // count
+    return nodes[index * size : (index + 1) * size]
+
+
+def _mesh_plan(problem: Problem, cluster: Cluster) -> Plan | None:
+    """The best plan of one mesh on `cluster` (the default search), once per node shape."""
+    from hexiseq.errors import InfeasibleError
+    from hexiseq.search.api import search  # the search plans replicas with this module
+    from hexiseq.search.options import SearchOptions
+
+    def plan() -> Plan | None:
+        checkpointing = problem.checkpointing_options
+        options = SearchOptions(
+            cost_model=problem.cost,
+            precision="fp32" if problem.train.compute_dtype_bytes == 4 else "bf16",
+            activation_checkpointing=None if len(checkpointing) > 1 else checkpointing[0],
+            data_parallel=False,
+        )
+        try:
+            return search(cluster, problem.model, problem.train.seq_len, options).best
+        except InfeasibleError:
+            return None
+
+    found = problem.memo(
+        ("replica mesh", problem.train, _shape(cluster)), lambda: (plan(), cluster)
+    )
+    best, made_on = found
+    return None if best is None else _on_cluster(best, cluster, made_on)
 
 
 def _fewer_replicas(problem: Problem, chunked: dict[str, list[Plan]], total: int):
@@ -273,10 +336,15 @@ def _shape(cluster: Cluster) -> tuple:
     return (shape, cluster.nodes, cluster.overrides) if cluster.overrides else shape
 
 
-def _on_cluster(plan: Plan, cluster: Cluster) -> Plan:
-    """`plan` (made on nodes of the same shape) on `cluster`'s nodes."""
+def _on_cluster(plan: Plan, cluster: Cluster, made_on: Cluster | None = None) -> Plan:
+    """`plan` (made on `made_on`, nodes of the same shape as `cluster`'s; or on some of
+    them, a homogeneous subset) on `cluster`'s nodes."""
     if plan.cluster == cluster:
         return plan
+    if made_on is not None and plan.cluster != made_on:
+        position = {node.name: i for i, node in enumerate(made_on.nodes)}
+        names = [cluster.nodes[position[node.name]].name for node in plan.cluster.nodes]
+        cluster = cluster.subset(names, f"{cluster.name}[{','.join(names)}]")
     devices = cluster.devices
     assignments = tuple(
         replace(a, gpu=devices[a.rank].gpu, node=devices[a.rank].node) for a in plan.assignments
@@ -285,14 +353,24 @@ def _on_cluster(plan: Plan, cluster: Cluster) -> Plan:
 
 
 def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan:
-    """`plan`'s grid simulated again for `sequences` per step (it stays at one where more
+    """`plan`'s layout simulated again for `sequences` per step (it stays at one where more
     do not fit: accumulating gradients takes memory)."""
-    if sequences == plan.train.micro_batches:
+    return _again(problem, plan, replace(plan.train, micro_batches=sequences))
+
+
+def _with_checkpointing(problem: Problem, plan: Plan, checkpointing: bool) -> Plan:
+    """Every replica runs one model, so one activation-checkpointing setting for all."""
+    return _again(problem, plan, replace(plan.train, activation_checkpointing=checkpointing))
+
+
+def _again(problem: Problem, plan: Plan, train) -> Plan:
+    """`plan`'s layout and state shares under `train`, once per node shape; `plan` itself
+    where that does not fit."""
+    if train == plan.train:
         return plan
-    train = replace(plan.train, micro_batches=sequences)
     fractions = [a.state_fraction for a in plan.assignments]
     shape = _shape(plan.cluster)
-    key = ("replica sequences", shape, train, plan.attention_layout, tuple(fractions))
+    key = ("replica again", shape, train, plan.attention_layout, tuple(fractions))
     again = problem.memo(
         key,
         lambda: evaluate(
@@ -300,29 +378,26 @@ def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan:
             plan.attention_layout,
             fractions,
             plan.name,
-            plan.knobs,
+            {**plan.knobs, "activation_checkpointing": train.activation_checkpointing},
         ),  # fmt: skip
     )
     return _on_cluster(again, plan.cluster) if isinstance(again, Plan) else plan
 
 
-def _with_checkpointing(problem: Problem, plan: Plan, checkpointing: bool) -> Plan:
-    """Every replica runs one model, so one activation-checkpointing setting for all."""
-    if plan.train.activation_checkpointing == checkpointing:
-        return plan
-    outcome = _chunk_plan(problem, plan.cluster, checkpointing, 1)
-    return outcome if isinstance(outcome, Plan) else plan
-
-
 def _name(parts: Sequence[ReplicaPart]) -> str:
-    by_type: dict[str, list[ReplicaPart]] = {}
+    """`4 x H200 x 8; 2 x H100-SXM x 8 + A100-80G x 8`: replicas of one GPU mix counted."""
+    mixes: dict[str, int] = {}
     for part in parts:
-        by_type.setdefault(part.plan.cluster.devices[0].gpu, []).append(part)
-    described = [
-        f"{len(group)} x {gpu} x {group[0].plan.cluster.world_size}"
-        for gpu, group in by_type.items()
-    ]
-    return f"data-parallel replicas ({'; '.join(described)})"
+        mix = " + ".join(f"{gpu} x {n}" for gpu, n in _mix(part.plan.cluster).items())
+        mixes[mix] = mixes.get(mix, 0) + 1
+    return f"data-parallel replicas ({'; '.join(f'{n} x {mix}' for mix, n in mixes.items())})"
+
+
+def _mix(cluster: Cluster) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in cluster.nodes:
+        counts[node.gpu] = counts.get(node.gpu, 0) + node.count
+    return counts
 
 
 def _knobs(problem: Problem, parts: Sequence[ReplicaPart]) -> dict:

@@ -191,3 +191,17 @@ def test_16384_mixed_gpus_are_planned_as_replicas_not_ranks():
     assert all(isinstance(b, InfeasiblePlan) for b in result.baselines.values())
     with pytest.raises(InputError, match="micro-batches"):
         plan_search(mixed_cluster(512), "llama3.2-3b", "32k")
+
+
+def test_replicas_of_a_gpu_mix_where_no_type_holds_a_long_sequence_alone():
+    """llama3-70b at 512K: no node of one type holds a sequence, but four replicas of the
+    cluster's whole GPU mix (each planned by the search of one mesh) do, and beat one mesh
+    over all 128 GPUs on the same batch."""
+    kwargs = {"micro_batches": 32}
+    best = plan_search("mix4-128", "llama3-70b", "512k", **kwargs).best
+    mesh = plan_search("mix4-128", "llama3-70b", "512k", data_parallel=False, **kwargs).best
+    assert best.data_parallel and len(best.replicas) >= 2
+    for replica in best.replicas:
+        assert len({best.cluster.devices[r].gpu for r in replica.ranks}) == 4
+    assert best.predicted.tokens_per_s > mesh.predicted.tokens_per_s
+    assert best.predicted.max_memory_fraction <= 0.95
