@@ -105,3 +105,9 @@ def check_replica_plan_step(rank: int, world_size: int, plan_text: str, sharded:
     for name, gradient in capture.gradients.items():
         error = relative_error(gradient, want_gradients[name])
         assert error <= TOLERANCE, f"rank {rank} {name} gradient error {error:.2e}"
+
+
+def check_replica_plan_steps(rank: int, world_size: int, cases: list[tuple[str, bool]]) -> None:
+    """`check_replica_plan_step` of every (plan JSON, sharded) case, one after another."""
+    for plan_text, sharded in cases:
+        check_replica_plan_step(rank, world_size, plan_text, sharded)

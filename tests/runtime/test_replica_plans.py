@@ -8,28 +8,29 @@ from __future__ import annotations
 
 import pytest
 from distributed import run_distributed
-from replica_plan_cases import check_replica_plan_step, replica_plan
+from replica_plan_cases import check_replica_plan_steps, replica_plan
 
 UNEVEN = {"wide": [0.5, 0.15, 0.35], "one": [1.0]}
 EVEN = {"wide": [1 / 3, 1 / 3, 1 / 3], "one": [1.0]}
 
 
+CASES = [  # (state shares, sequences per replica, sharded states)
+    (UNEVEN, {"wide": 2, "one": 1}, True),
+    (EVEN, {"wide": 1, "one": 2}, True),
+    (UNEVEN, {"wide": 1, "one": 2}, False),
+]
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize(
-    ("fractions", "sequences", "sharded"),
-    [
-        (UNEVEN, {"wide": 2, "one": 1}, True),
-        (EVEN, {"wide": 1, "one": 2}, True),
-        (UNEVEN, {"wide": 1, "one": 2}, False),
-    ],
-)
-def test_a_replica_plan_trains_as_one_process_on_the_whole_batch(fractions, sequences, sharded):
-    plan = replica_plan(fractions, sequences)
-    assert plan.data_parallel and [r.sequences for r in plan.replicas] == [
-        sequences["wide"],
-        sequences["one"],
-    ]
-    run_distributed(check_replica_plan_step, 4, plan.to_json_text(), sharded)
+def test_a_replica_plan_trains_as_one_process_on_the_whole_batch():
+    """Each case in one spawn of 4 ranks (their imports are most of the time)."""
+    cases = []
+    for fractions, sequences, sharded in CASES:
+        plan = replica_plan(fractions, sequences)
+        assert plan.data_parallel
+        assert [r.sequences for r in plan.replicas] == [sequences["wide"], sequences["one"]]
+        cases.append((plan.to_json_text(), sharded))
+    run_distributed(check_replica_plan_steps, 4, cases)
 
 
 @pytest.mark.multiproc
