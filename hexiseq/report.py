@@ -135,12 +135,17 @@ def format_data_parallel(result: Any) -> str:
         f"\n{replicas.describe()}: {replicas.tokens_per_s:,.1f} tokens/s "
         f"(gradient all-reduce {replicas.gradient_sync_s:.2f} s per step); hexiseq {ratio:.2f}x"
     )
-    if ratio < 1.0:
+    if ratio < 1.0 and result.best.train.micro_batches == 1:
         text += (
             "\nnote: running each GPU type as its own data-parallel replica (on a batch of "
             f"{replicas.sequences} sequences per step) is predicted faster than this plan; "
             "give the step's batch (--micro-batches N) and hexiseq plans data-parallel "
             "replicas sharing it"
+        )
+    elif ratio < 1.0:
+        text += (
+            "\nnote: running each GPU type as its own data-parallel replica is predicted "
+            "faster than this plan"
         )
     return text
 

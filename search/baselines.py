@@ -209,17 +209,36 @@ MAX_SEQUENCES_PER_REPLICA = 8
 
 def data_parallel(problem: Problem) -> DataParallelBaseline | None:
     """Each GPU type that fits a sequence alone as a data-parallel replica running its best
-    uniform grid; per step, replica t takes k_t sequences (1..MAX_SEQUENCES_PER_REPLICA,
-    chosen to balance the replicas' step times), then the replicas all-reduce their FP32
-    gradients across the network. None with fewer than two such types (then it is the
-    homogeneous subset)."""
-    fitting = {gpu: p for gpu, p in type_subsets(problem).items() if isinstance(p, Plan)}
+    uniform grid, priced as k times its one-sequence step; the replicas then all-reduce their
+    FP32 gradients across the network. A step of several sequences (`train.micro_batches`)
+    is shared out (each next sequence to the replica that finishes it first); a step of one
+    gets k_t = 1..MAX_SEQUENCES_PER_REPLICA per replica, chosen to balance the replicas (a
+    batch of its own). None with fewer than two such types (then it is the homogeneous
+    subset)."""
+    from hexiseq.search.replicas import balanced_sequences  # it imports this module
+
+    one = replace(problem, train=replace(problem.train, micro_batches=1))
+    fitting = {gpu: p for gpu, p in type_subsets(one).items() if isinstance(p, Plan)}
     if len(fitting) < 2 or len(problem.cluster.gpu_types) < 2:
         return None
     sync_s = _gradient_sync_s(problem, [p.cluster.world_size for p in fitting.values()])
-    seq_len = problem.train.tokens_per_step
     steps = {gpu: plan.predicted.step_time_s for gpu, plan in fitting.items()}
-    best = None
+    if problem.train.micro_batches > 1:
+        shares = balanced_sequences(list(steps.values()), problem.train.micro_batches)
+        counts = {gpu: k for gpu, k in zip(steps, shares) if k > 0}
+    else:
+        counts = _own_batch(steps, sync_s)
+    step_s = max(counts[gpu] * steps[gpu] for gpu in counts) + sync_s
+    rate = problem.train.seq_len * sum(counts.values()) / step_s
+    replicas = tuple(Replica(gpu, fitting[gpu], k) for gpu, k in counts.items())
+    idle = tuple(gpu for gpu in problem.cluster.gpu_types if gpu not in counts)
+    return DataParallelBaseline(replicas, sync_s, step_s, rate, idle)
+
+
+def _own_batch(steps: dict[str, float], sync_s: float) -> dict[str, int]:
+    """1..MAX_SEQUENCES_PER_REPLICA sequences per replica: the counts with the most
+    sequences per second."""
+    best_rate, best = 0.0, {}
     for horizon_s in sorted(
         k * s for s in steps.values() for k in range(1, MAX_SEQUENCES_PER_REPLICA + 1)
     ):
@@ -228,14 +247,10 @@ def data_parallel(problem: Problem) -> DataParallelBaseline | None:
             for gpu, s in steps.items()
         }
         counts = {gpu: k for gpu, k in counts.items() if k >= 1}
-        step_s = max(counts[gpu] * steps[gpu] for gpu in counts) + sync_s
-        rate = seq_len * sum(counts.values()) / step_s
-        if best is None or rate > best[0]:
-            best = (rate, step_s, counts)
-    rate, step_s, counts = best
-    replicas = tuple(Replica(gpu, fitting[gpu], k) for gpu, k in counts.items())
-    idle = tuple(gpu for gpu in problem.cluster.gpu_types if gpu not in counts)
-    return DataParallelBaseline(replicas, sync_s, step_s, rate, idle)
+        rate = sum(counts.values()) / (max(counts[g] * steps[g] for g in counts) + sync_s)
+        if rate > best_rate:
+            best_rate, best = rate, counts
+    return best
 
 
 def _gradient_sync_s(problem: Problem, replica_sizes: list[int]) -> float:

@@ -205,3 +205,11 @@ def test_replicas_of_a_gpu_mix_where_no_type_holds_a_long_sequence_alone():
         assert len({best.cluster.devices[r].gpu for r in replica.ranks}) == 4
     assert best.predicted.tokens_per_s > mesh.predicted.tokens_per_s
     assert best.predicted.max_memory_fraction <= 0.95
+
+
+def test_the_data_parallel_baseline_shares_the_same_batch(mix32):
+    """Given a batch, the per-type baseline shares it too, and hexiseq's replicas (which
+    include per-type ones, simulated with their real sequence counts) are not slower."""
+    baseline = mix32.data_parallel
+    assert baseline.sequences == mix32.best.train.micro_batches == 16
+    assert mix32.speedup_over_data_parallel() >= 1.0
