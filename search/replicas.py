@@ -182,8 +182,8 @@ def _mixed_replicas(problem: Problem, total: int):
 
 MAX_MIXED_REPLICA_DEVICES = 128
 """The largest mixed replica planned (each is a search of one mesh, about 0.5 s at 128)."""
-MIXED_CANDIDATES = 2
-"""Mixed replica sizes tried: the two smallest that hold a sequence."""
+MIXED_CANDIDATES = 1
+"""Mixed replica sizes tried: the smallest that holds a sequence."""
 
 
 def _run(nodes: list, index: int, count: int) -> list:
