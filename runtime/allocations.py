@@ -176,15 +176,7 @@ def measure_step_allocations(
 
     Model, sharding and optimizer are built as `runtime.train.train` builds them; the first
     step creates the AdamW states, the second is the steady one a run's peak comes from."""
-    device = torch.device("cpu")
-    context = training.RankContext(
-        rank=rank,
-        world_size=plan.cluster.world_size,
-        device=device,
-        compute_dtype=dtype,
-        device_label="cpu",
-        slowdown=1.0,
-    )
+    context = training.RankContext.cpu(rank, plan.cluster.world_size, dtype)
     model = training.build_plan_model(plan, context, 0, sharded)
     optimizer = training.build_optimizer(model, 1e-3, fused=sharded)
     mesh = context.mesh_of(plan)  # one mesh: the memory probe runs no replicas

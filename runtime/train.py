@@ -119,6 +119,17 @@ class RankContext:
     mesh: Mesh | None = None
     """This rank's replica (`replicas.join_mesh`); None: the plan is one mesh."""
 
+    @classmethod
+    def cpu(
+        cls,
+        rank: int,
+        world_size: int,
+        compute_dtype: torch.dtype = torch.float32,
+        mesh: Mesh | None = None,
+    ) -> RankContext:
+        """A rank on the CPU at normal speed (the memory probe and tests)."""
+        return cls(rank, world_size, torch.device("cpu"), compute_dtype, "cpu", 1.0, mesh)
+
     def mesh_of(self, plan: Plan) -> Mesh:
         return self.mesh if self.mesh is not None else plan_mesh(plan, self.rank)
 

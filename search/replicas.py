@@ -20,7 +20,9 @@ running its best uniform grid; types that cannot hold a sequence on their own no
 out; while there are more replicas than sequences, every type's replicas are made twice as
 large; the batch's sequences go one by one to the replica that would finish its next one
 first, and every replica is simulated again with its count (one given none sits out).
-Replicas mixing GPU types, or smaller than a node, are not searched.
+Beside them, replicas of the cluster's whole GPU mix: each type's nodes in k equal runs, each
+replica planned by the search of one mesh (the smallest such replica that holds a sequence,
+up to MAX_MIXED_REPLICA_DEVICES). Replicas smaller than a node are not searched.
 """
 
 from __future__ import annotations
@@ -105,17 +107,13 @@ def compose(
 def predict_replicas(plan: Plan, cost: CostModel) -> Prediction:
     """`plan`'s replicas simulated again under `cost`, each on its own nodes with its layout,
     state shares and sequences, composed as the search composes them."""
-    devices = plan.cluster.devices
     parts = []
-    for index, replica in enumerate(plan.replicas):
-        nodes = list(dict.fromkeys(devices[rank].node for rank in replica.ranks))
-        cluster = plan.cluster.subset(nodes, f"{plan.cluster.name}[replica {index}]")
-        train = replace(plan.train, micro_batches=replica.sequences)
-        fractions = [plan.assignments[rank].state_fraction for rank in replica.ranks]
-        problem = Problem(cluster, plan.model, train, cost)
-        step = simulated(problem, replica.layout, fractions)
-        part = build_plan(problem, replica.layout, fractions, plan.name, {}, step)
-        parts.append(ReplicaPart(part))
+    for index in range(len(plan.replicas)):
+        own = plan.replica_plan(index)
+        fractions = [a.state_fraction for a in own.assignments]
+        problem = Problem(own.cluster, plan.model, own.train, cost)
+        step = simulated(problem, own.layout(), fractions)
+        parts.append(ReplicaPart(build_plan(problem, own.layout(), fractions, own.name, {}, step)))
     return compose(plan.cluster, parts, cost, plan.name, plan.knobs).predicted
 
 
@@ -248,13 +246,12 @@ def _replicas_of(problem: Problem, chunks: list[Plan], total: int) -> Plan | Non
     checkpointing = any(plan.train.activation_checkpointing for plan in chunks)
     chunks = [_with_checkpointing(problem, plan, checkpointing) for plan in chunks]
     counts = balanced_sequences([plan.predicted.step_time_s for plan in chunks], total)
-    parts = [
-        ReplicaPart(_with_sequences(problem, plan, count))
-        for plan, count in zip(chunks, counts)
-        if count > 0
+    plans = [
+        _with_sequences(problem, plan, count) for plan, count in zip(chunks, counts) if count > 0
     ]
-    if len(parts) < 2:
+    if len(plans) < 2 or None in plans:  # a replica that cannot take its share drops it
         return None
+    parts = [ReplicaPart(plan) for plan in plans]
     return compose(problem.cluster, parts, problem.cost, _name(parts), _knobs(problem, parts))
 
 
@@ -352,20 +349,23 @@ def _on_cluster(plan: Plan, cluster: Cluster, made_on: Cluster | None = None) ->
     return replace(plan, cluster=cluster, assignments=assignments)
 
 
-def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan:
-    """`plan`'s layout simulated again for `sequences` per step (it stays at one where more
-    do not fit: accumulating gradients takes memory)."""
+def _with_sequences(problem: Problem, plan: Plan, sequences: int) -> Plan | None:
+    """`plan`'s layout simulated again for `sequences` per step (None where that does not
+    fit: accumulating gradients takes memory)."""
     return _again(problem, plan, replace(plan.train, micro_batches=sequences))
 
 
 def _with_checkpointing(problem: Problem, plan: Plan, checkpointing: bool) -> Plan:
-    """Every replica runs one model, so one activation-checkpointing setting for all."""
-    return _again(problem, plan, replace(plan.train, activation_checkpointing=checkpointing))
+    """Every replica runs one model, so one activation-checkpointing setting for all (turning
+    it on only frees memory, so that always fits)."""
+    return (
+        _again(problem, plan, replace(plan.train, activation_checkpointing=checkpointing)) or plan
+    )
 
 
-def _again(problem: Problem, plan: Plan, train) -> Plan:
-    """`plan`'s layout and state shares under `train`, once per node shape; `plan` itself
-    where that does not fit."""
+def _again(problem: Problem, plan: Plan, train) -> Plan | None:
+    """`plan`'s layout and state shares under `train`, once per node shape; None where that
+    does not fit."""
     if train == plan.train:
         return plan
     fractions = [a.state_fraction for a in plan.assignments]
@@ -381,7 +381,7 @@ def _again(problem: Problem, plan: Plan, train) -> Plan:
             {**plan.knobs, "activation_checkpointing": train.activation_checkpointing},
         ),  # fmt: skip
     )
-    return _on_cluster(again, plan.cluster) if isinstance(again, Plan) else plan
+    return _on_cluster(again, plan.cluster) if isinstance(again, Plan) else None
 
 
 def _name(parts: Sequence[ReplicaPart]) -> str:

@@ -83,15 +83,7 @@ def check_replica_plan_step(rank: int, world_size: int, plan_text: str, sharded:
 
     torch.manual_seed(777 + rank)  # nothing may depend on the global RNG
     plan = Plan.from_json_text(plan_text)
-    context = train.RankContext(
-        rank=rank,
-        world_size=world_size,
-        device=torch.device("cpu"),
-        compute_dtype=torch.float32,
-        device_label="cpu",
-        slowdown=1.0,
-        mesh=join_mesh(plan, rank),
-    )
+    context = train.RankContext.cpu(rank, world_size, mesh=join_mesh(plan, rank))
     model = train.build_plan_model(plan, context, SEED, sharded)
     capture = _CaptureGradients(model)
     tokens = train.step_tokens(plan, SEED, 0)

@@ -106,14 +106,7 @@ def _check_uneven_plan(rank: int, world_size: int, plan_json: str) -> None:
     from hexiseq.runtime.model import token_positions
 
     plan = Plan.from_json_text(plan_json)
-    context = training.RankContext(
-        rank=rank,
-        world_size=world_size,
-        device=torch.device("cpu"),
-        compute_dtype=torch.float32,
-        device_label="cpu",
-        slowdown=1.0,
-    )
+    context = training.RankContext.cpu(rank, world_size)
     positions = token_positions(plan.layout(), rank)
     tokens = training.step_tokens(plan, 0, 0)
 
