@@ -81,7 +81,7 @@ def make_context(
         node_of=np.array([node_index[d.node] for d in devices], dtype=np.int64),
         bandwidth_GBps=bandwidth_GBps,
         latency_s=latency_s,
-        slowdown=np.array([d.emulation_slowdown for d in devices]),
+        slowdown=np.array([d.compute_slowdown for d in devices]),
         **_layout_arrays(layout),
     )
 

@@ -7,7 +7,8 @@ dataclass with one `Device` per global rank (ranks numbered node by node, in fil
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from importlib import resources
@@ -39,6 +40,9 @@ network; the simulator's tests use such links to expose every transfer) to far b
 NVLink generation. Outside that range a number is a typo or a unit mix-up: 1e-300 GB/s
 planned a step of 1e300 seconds and saved it as 0.0 tokens/s."""
 MAX_LATENCY_US = 1e6  # a second per message
+MEASURED_SLOWDOWN_RANGE = (0.01, 100.0)
+"""A device measured from 100x faster to 100x slower than its type's model: beyond that the
+measurement, not the device, is wrong."""
 
 
 class _Strict(BaseModel):
@@ -57,6 +61,10 @@ class NodeFile(_Strict):
     memory_GiB: StrictFloat | None = None
     """Memory per device replacing the catalog's (gpu: cpu test clusters only): lets a CPU
     cluster stand in for cards too small for even model-state shares."""
+    measured_slowdown: list[float] | None = None
+    """Per device of the node, how many times slower than its GPU type's cost model the
+    runtime measured it (a re-plan writes it, `hexiseq run --replan`): the cost model
+    multiplies the device's compute by it; the runtime does not emulate it."""
 
     @field_validator("gpu")
     @classmethod
@@ -74,6 +82,25 @@ class NodeFile(_Strict):
                 f"must be a positive number of GiB (node '{node}' has {memory_GiB:g})"
             )
         return memory_GiB
+
+    @model_validator(mode="after")
+    def _one_measured_slowdown_per_device(self) -> NodeFile:
+        factors = self.measured_slowdown
+        if factors is None:
+            return self
+        if len(factors) != self.count:
+            raise ValueError(
+                f"measured_slowdown gives {len(factors)} factor(s) for node '{self.name}' of "
+                f"{self.count} device(s): give one per device"
+            )
+        low, high = MEASURED_SLOWDOWN_RANGE
+        bad = [f for f in factors if not low <= f <= high]
+        if bad:
+            raise ValueError(
+                f"measured_slowdown of node '{self.name}' must lie in {low:g}..{high:g} "
+                f"(got {bad[0]:g})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _emulation_only_on_cpu(self) -> NodeFile:
@@ -163,6 +190,11 @@ class Node:
     intra_node_GBps: float
     emulation_slowdown: float = 1.0
     memory_GiB: float | None = None  # None: the catalog's; set only on gpu: cpu test nodes
+    measured_slowdown: tuple[float, ...] | None = None  # per device; None: all 1
+
+    def device_slowdown(self, local_rank: int) -> float:
+        """The measured slowdown of device `local_rank` of the node (1: as modelled)."""
+        return 1.0 if self.measured_slowdown is None else self.measured_slowdown[local_rank]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +207,14 @@ class Device:
     local_rank: int
     emulation_slowdown: float = 1.0
     memory_GiB: float | None = None  # None: the catalog's (see `Cluster.gpu`)
+    measured_slowdown: float = 1.0
+    """How many times slower than its type's model the runtime measured it (a re-plan)."""
+
+    @property
+    def compute_slowdown(self) -> float:
+        """What the cost model multiplies this device's compute by: its emulated slowdown
+        (a CPU test device) times its measured one."""
+        return self.emulation_slowdown * self.measured_slowdown
 
 
 @dataclass(frozen=True)
@@ -201,6 +241,7 @@ class Cluster:
                         local,
                         node.emulation_slowdown,
                         node.memory_GiB,
+                        node.device_slowdown(local),
                     )
                 )
         return devices
@@ -242,6 +283,55 @@ class Cluster:
             self.inter_node_latency_us,
             tuple(o for o in self.overrides if o[0] in keep and o[1] in keep),
         )
+
+    def with_measured_slowdowns(self, factors: Mapping[int, float]) -> Cluster:
+        """The cluster with device rank r measured `factors[r]` times slower than before (its
+        `measured_slowdown` multiplied): what a re-plan sees after a device drifted."""
+        low, high = MEASURED_SLOWDOWN_RANGE
+        for rank, factor in factors.items():
+            if not 0 <= rank < self.world_size:
+                raise InputError(
+                    f"measured slowdown for rank {rank}: cluster {self.name} has ranks "
+                    f"0..{self.world_size - 1}"
+                )
+            if not (math.isfinite(factor) and factor > 0):
+                raise InputError(f"measured slowdown of rank {rank} must be > 0 (got {factor})")
+        nodes, first = [], 0
+        for node in self.nodes:
+            old = [node.device_slowdown(local) for local in range(node.count)]
+            new = [
+                min(max(slow * factors.get(first + local, 1.0), low), high)
+                for local, slow in enumerate(old)
+            ]
+            measured = None if all(f == 1.0 for f in new) else tuple(new)
+            nodes.append(replace(node, measured_slowdown=measured))
+            first += node.count
+        return replace(self, nodes=tuple(nodes))
+
+    def without_ranks(self, ranks: Iterable[int]) -> Cluster:
+        """The cluster without the devices at these ranks (lost): the other devices keep their
+        order and are numbered again from 0; a node left empty goes, with its links."""
+        lost = set(ranks)
+        unknown = sorted(r for r in lost if not 0 <= r < self.world_size)
+        if unknown:
+            raise InputError(
+                f"lost rank {unknown[0]}: cluster {self.name} has ranks 0..{self.world_size - 1}"
+            )
+        if len(lost) == self.world_size:
+            raise InputError(f"cluster {self.name}: every device is lost, none left to plan")
+        nodes, first = [], 0
+        for node in self.nodes:
+            kept = [local for local in range(node.count) if first + local not in lost]
+            first += node.count
+            if not kept:
+                continue
+            measured = None
+            if node.measured_slowdown is not None:
+                measured = tuple(node.measured_slowdown[local] for local in kept)
+            nodes.append(replace(node, count=len(kept), measured_slowdown=measured))
+        names = {node.name for node in nodes}
+        overrides = tuple(o for o in self.overrides if o[0] in names and o[1] in names)
+        return replace(self, nodes=tuple(nodes), overrides=overrides)
 
     def link_GBps(self, node_a: str, node_b: str) -> float:
         """One-direction bandwidth per GPU between two nodes (intra-node link if equal)."""
@@ -338,6 +428,9 @@ def _cluster_from_file(parsed: ClusterFile) -> Cluster:
             intra_node_GBps=float(node.intra_node_GBps or gpu_spec(node.gpu).intra_node_GBps),
             emulation_slowdown=node.emulation_slowdown,
             memory_GiB=node.memory_GiB,
+            measured_slowdown=(
+                None if node.measured_slowdown is None else tuple(node.measured_slowdown)
+            ),
         )
         for node in parsed.nodes
     )
@@ -358,4 +451,6 @@ def _node_to_dict(node: Node) -> dict[str, Any]:
         entry["emulation_slowdown"] = node.emulation_slowdown
     if node.memory_GiB is not None:
         entry["memory_GiB"] = node.memory_GiB
+    if node.measured_slowdown is not None:
+        entry["measured_slowdown"] = list(node.measured_slowdown)
     return entry

@@ -48,31 +48,49 @@ def communication_phase() -> Iterator[None]:
     if padding is None or padding._open == 0:
         yield
         return
-    began = time.perf_counter()
+    began, began_cpu = time.perf_counter(), time.thread_time()
     try:
         yield
     finally:
         padding._opened_at += time.perf_counter() - began
+        padding._opened_cpu += time.thread_time() - began_cpu
 
 
 class ComputePadding:
-    """Forward and backward hooks that pad every phase of `model` by (slowdown - 1) x."""
+    """Forward and backward hooks that pad every phase of `model` by (slowdown - 1) x, and
+    time the phases (`device_s`) when `timed` or padding."""
 
-    def __init__(self, model: nn.Module, slowdown: float) -> None:
-        if slowdown < 1.0:
-            raise ValueError(f"emulation slowdown must be >= 1 (got {slowdown})")
+    def __init__(self, model: nn.Module, slowdown: float, timed: bool = False) -> None:
+        _check_slowdown(slowdown)
         self.extra = slowdown - 1.0
         self.debt_s = 0.0
         self.padded_s = 0.0  # total slept, for reporting
+        self.device_s = 0.0
+        """The emulated device's compute so far: each phase's CPU time on this rank's thread
+        (`time.thread_time`: not the time the OS gave the cores to other ranks), times the
+        slowdown in force then. What a GPU's kernel timer would read on the slower device;
+        the drift monitor (`_drift`) compares it with the plan's prediction."""
         self._open = 0
         self._opened_at = 0.0
+        self._opened_cpu = 0.0
         self._handles = []
-        if self.extra > 0:
-            for module in model.modules():
-                if _is_padded(module):
-                    self._hook(module)
-            global _active
-            _active = self
+        self._model = model
+        if self.extra > 0 or timed:
+            self._install()
+
+    def set_slowdown(self, slowdown: float) -> None:
+        """Pad by (slowdown - 1) x from now on (an injected slowdown, `train`)."""
+        _check_slowdown(slowdown)
+        self.extra = slowdown - 1.0
+        if self.extra > 0 and not self._handles:
+            self._install()
+
+    def _install(self) -> None:
+        for module in self._model.modules():
+            if _is_padded(module):
+                self._hook(module)
+        global _active
+        _active = self
 
     def _hook(self, module: nn.Module) -> None:
         self._handles += [
@@ -87,12 +105,15 @@ class ComputePadding:
         union of open phases, and sleep only when none is open, so no sleep is timed."""
         if self._open == 0:
             self._opened_at = time.perf_counter()
+            self._opened_cpu = time.thread_time()
         self._open += 1
 
     def _end(self, *_args) -> None:
         self._open -= 1
         if self._open == 0:
-            self.debt_s += self.extra * (time.perf_counter() - self._opened_at)
+            phase_s = time.perf_counter() - self._opened_at
+            self.device_s += (1 + self.extra) * (time.thread_time() - self._opened_cpu)
+            self.debt_s += self.extra * phase_s
             if self.debt_s >= MIN_SLEEP_S:
                 self.flush()
 
@@ -113,6 +134,11 @@ class ComputePadding:
         self._handles.clear()
         if _active is self:
             _active = None
+
+
+def _check_slowdown(slowdown: float) -> None:
+    if not slowdown >= 1.0:
+        raise ValueError(f"emulation slowdown must be >= 1 (got {slowdown})")
 
 
 def _is_padded(module: nn.Module) -> bool:

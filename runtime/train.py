@@ -45,6 +45,7 @@ import hashlib
 import math
 import os
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -55,8 +56,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hexiseq import supervision
 from hexiseq.errors import HexiseqError, InputError
+from hexiseq.injections import (
+    FailureInjection,
+    SlowdownInjection,
+    check_ranks,
+    parse_failure,
+    parse_slowdown,
+)
 from hexiseq.plan import Plan
+from hexiseq.runtime._drift import Drift, DriftMonitor
 from hexiseq.runtime._emulation import ComputePadding
 from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placement_error: API)
     FoundDevice,
@@ -88,6 +98,8 @@ from hexiseq.store import (
 )
 
 EXIT_BAD_INPUT = 2
+KEEP_CHECKPOINTS = 2
+"""Checkpoints a run keeps: the newest to resume from, and the one before it."""
 # The caching allocator grows mapped segments instead of splitting fixed ones: the default left
 # 9 GiB reserved but unallocated when the shared H100 run of llama3.2-3b at 16K tokens died,
 # and the same plan ran with this setting (costmodel.memory counts a small fragmentation).
@@ -104,6 +116,17 @@ class TrainOptions:
     device: str  # "auto", "cpu" or "cuda"
     dtype: str  # "auto", "float32" or "bfloat16"
     state_sharding: str = "sharded"  # or "replicated" (gradient all-reduce)
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # steps between checkpoints; 0: only when leaving to re-plan
+    resume: bool = False  # start from the newest checkpoint in checkpoint_dir, if any
+    replan_dir: str | None = None  # the supervisor's folder (`hexiseq.supervision`)
+    drift_threshold: float = supervision.DEFAULT_DRIFT_THRESHOLD
+    slowdowns: tuple[SlowdownInjection, ...] = ()
+    failures: tuple[FailureInjection, ...] = ()
+
+    @property
+    def watches_drift(self) -> bool:
+        return self.replan_dir is not None
 
 
 @dataclass
@@ -171,9 +194,16 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         "plan's state fractions (what the memory model counts; 'fsdp2' is its former name); "
         "replicated: every rank holds all, gradients all-reduced",
     )
+    _add_supervision_flags(parser)
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1 (got {args.steps})")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be 0 or more (got {args.checkpoint_every})")
+    if not args.drift_threshold > 1:
+        parser.error(f"--drift-threshold must be > 1 (got {args.drift_threshold})")
+    if (args.resume or args.checkpoint_every or args.replan_dir) and not args.checkpoint_dir:
+        parser.error("--resume, --checkpoint-every and --replan-dir need --checkpoint-dir")
     return TrainOptions(
         plan_path=args.plan,
         steps=args.steps,
@@ -183,7 +213,74 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         device=args.device,
         dtype=args.dtype,
         state_sharding=canonical_state_sharding(args.state_sharding),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        replan_dir=args.replan_dir,
+        drift_threshold=args.drift_threshold,
+        slowdowns=tuple(args.inject_slowdown),
+        failures=tuple(args.inject_failure),
     )
+
+
+def _add_supervision_flags(parser: argparse.ArgumentParser) -> None:
+    """Checkpoints, drift reports to a supervisor, and injected faults (`hexiseq run`)."""
+    parser.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="folder of this run's distributed checkpoints (`runtime.checkpoint`)",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="save a checkpoint every K steps (0: only before leaving to re-plan)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the newest checkpoint in --checkpoint-dir (resharded to this plan)",
+    )
+    parser.add_argument(
+        "--replan-dir",
+        metavar="DIR",
+        help="report drift to the supervisor through DIR and follow its decision "
+        "(`hexiseq.supervision`; set by `hexiseq run --replan`)",
+    )
+    parser.add_argument(
+        "--drift-threshold",
+        type=float,
+        default=supervision.DEFAULT_DRIFT_THRESHOLD,
+        metavar="X",
+        help="a rank drifted when its compute stays X times its start",
+    )
+    parser.add_argument(
+        "--inject-slowdown",
+        type=_injection(parse_slowdown),
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR@STEP",
+        help="emulate rank RANK's device FACTOR times slower from step STEP on",
+    )
+    parser.add_argument(
+        "--inject-failure",
+        type=_injection(parse_failure),
+        action="append",
+        default=[],
+        metavar="RANK@STEP",
+        help="kill rank RANK (SIGKILL, a lost device) when step STEP begins",
+    )
+
+
+def _injection(parse):
+    def parsed(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return parsed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,6 +322,13 @@ def check_rank_start(plan: Plan, options: TrainOptions) -> None:
     """Before any communication: this rank is where the plan puts it (`rank_start_error`),
     on CUDA on the planned GPU type; InputError (one line) otherwise."""
     error = rank_start_error(plan, os.environ)
+    if error is None:
+        error = check_ranks([*options.slowdowns, *options.failures], plan.cluster.world_size)
+    if error is None and options.watches_drift and uses_cuda(options):
+        error = (
+            "--replan-dir: drift is measured on CPU ranks only (their compute is timed "
+            "synchronously); on CUDA re-plan on lost devices only, without --replan-dir"
+        )
     if error is None and uses_cuda(options):
         error = rank_start_error(plan, os.environ, found_cuda_device(local_rank_of(os.environ)))
     if error is not None:
@@ -268,21 +372,33 @@ def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
 
 
 def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
-    """K AdamW steps of the plan, measured and recorded; returns the exit code. The run's
-    row ends "finished", or "failed" with why when any step raised on this rank (rank 0
+    """K AdamW steps of the plan, measured and recorded; returns the exit code (0, or
+    `supervision.EXIT_REPLAN` when the supervisor chose to re-plan). The run's row ends
+    "finished", "replanned", or "failed" with why when any step raised on this rank (rank 0
     records it; a rank that died shows there as the collective it broke)."""
-    store, run_id = open_run(plan, options, context)
+    first_step = resume_step(options)
+    store, run_id = open_run(plan, options, context, first_step)
     try:
-        run_steps(plan, options, context, store, run_id)
+        code = run_steps(plan, options, context, store, run_id, first_step)
     except BaseException as error:
         end_run(store, run_id, "failed", failure_of(error))
         raise
     else:
-        end_run(store, run_id, "finished")
+        end_run(store, run_id, "replanned" if code == supervision.EXIT_REPLAN else "finished")
     finally:
         if store is not None:
             store.close()
-    return 0
+    return code
+
+
+def resume_step(options: TrainOptions) -> int:
+    """The step this run starts at: the newest checkpoint's under `--resume`, else 0."""
+    if not options.resume:
+        return 0
+    from hexiseq.runtime.checkpoint import latest_checkpoint  # see `save_plan_checkpoint`
+
+    found = latest_checkpoint(options.checkpoint_dir)
+    return 0 if found is None else found[0]
 
 
 def run_steps(
@@ -291,26 +407,134 @@ def run_steps(
     context: RankContext,
     store: Store | None,
     run_id: int | None,
-) -> None:
-    """Build the plan's model and optimizer and run, measure and record K steps."""
+    first_step: int = 0,
+) -> int:
+    """Build the plan's model and optimizer (from the checkpoint when resuming) and run,
+    measure and record steps `first_step`..K-1. Returns the exit code."""
     sharded = options.state_sharding == "sharded"
     model = build_plan_model(plan, context, options.seed, sharded)
     optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
-    padding = ComputePadding(model, context.slowdown)
+    if first_step > 0:
+        from hexiseq.runtime.checkpoint import latest_checkpoint, load_checkpoint
+
+        _, path = latest_checkpoint(options.checkpoint_dir)
+        load_checkpoint(path, model, optimizer)
+    padding = ComputePadding(model, context.slowdown, timed=options.watches_drift)
+    monitor = drift_monitor(plan, options) if options.watches_drift else None
     mesh = context.mesh_of(plan)
     positions = token_positions(mesh.layout, mesh.local_rank).to(context.device)
     launcher_pid = os.getppid()
-    for step in range(options.steps):
+    for step in range(first_step, options.steps):
         check_launcher(launcher_pid)
+        apply_injections(options, context, padding, step)
+        device_s = padding.device_s
         measurement = measure_step(
             plan, options, context, model, optimizer, padding, positions, step, sharded
         )
-        rows = [None] * context.world_size
-        dist.all_gather_object(rows, measurement)
+        gathered = [None] * context.world_size
+        dist.all_gather_object(gathered, (measurement, padding.device_s - device_s))
+        rows = [row for row, _ in gathered]
         if store is not None:
             store.add_runtime_measurements(run_id, rows)
         if context.rank == 0:
             print(describe_step(rows), flush=True)
+            if options.replan_dir is not None:
+                supervision.append_step(options.replan_dir, step_entry(plan, rows))
+        done = step + 1
+        if (
+            done < options.steps
+            and options.checkpoint_every
+            and done % options.checkpoint_every == 0
+        ):
+            save_plan_checkpoint(plan, options, context, model, optimizer, done)
+        drift = None if monitor is None else monitor.observe(step, [b for _, b in gathered])
+        if drift is not None and done < options.steps:
+            if ask_supervisor(options, context, drift) == "replan":
+                if not (options.checkpoint_every and done % options.checkpoint_every == 0):
+                    save_plan_checkpoint(plan, options, context, model, optimizer, done)
+                return supervision.EXIT_REPLAN
+            monitor.rebase()
+    return 0
+
+
+def drift_monitor(plan: Plan, options: TrainOptions) -> DriftMonitor:
+    """A monitor of every rank's compute against the plan's prediction (`_drift`)."""
+    predicted = [rank.linear_s + rank.attention_s for rank in plan.predicted.ranks]
+    slowed = [device.measured_slowdown > 1.0 for device in plan.cluster.devices]
+    return DriftMonitor(predicted, slowed, options.drift_threshold)
+
+
+def apply_injections(
+    options: TrainOptions, context: RankContext, padding: ComputePadding, step: int
+) -> None:
+    """This rank's injected faults as of `step`: a slowdown from its step on (one given
+    for an earlier step holds from the start of a resumed run); a failure at its step."""
+    for failure in options.failures:
+        if failure.rank == context.rank and failure.step == step:
+            print(f"rank {context.rank}: injected failure at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    factor = math.prod(
+        s.factor for s in options.slowdowns if s.rank == context.rank and s.step <= step
+    )
+    padding.set_slowdown(context.slowdown * factor)
+
+
+def save_plan_checkpoint(
+    plan: Plan,
+    options: TrainOptions,
+    context: RankContext,
+    model: LlamaModel,
+    optimizer: torch.optim.Optimizer,
+    next_step: int,
+) -> None:
+    """A checkpoint to go on from `next_step` (collective); the first replica writes it, and
+    rank 0 then removes all but the newest `KEEP_CHECKPOINTS`. (Imported here: DCP's
+    safetensors storage needs a newer torch than a run that never checkpoints.)"""
+    from hexiseq.runtime._checkpoint_files import prune_checkpoints
+    from hexiseq.runtime.checkpoint import save_checkpoint
+
+    writes = context.mesh_of(plan).index == 0
+    save_checkpoint(options.checkpoint_dir, next_step, model, optimizer, writes=writes)
+    if context.rank == 0:
+        prune_checkpoints(options.checkpoint_dir, KEEP_CHECKPOINTS)
+
+
+def ask_supervisor(options: TrainOptions, context: RankContext, drift: Drift) -> str:
+    """Rank 0 reports the drift and waits for the supervisor's decision; every rank gets
+    it. No answer in time: keep the plan."""
+    decision = ["keep"]
+    if context.rank == 0:
+        supervision.write_json(
+            supervision.drift_path(options.replan_dir, drift.step), drift.to_dict()
+        )
+        print(f"drift: {drift.describe()}; asking the supervisor", flush=True)
+        decision[0] = wait_for_decision(options.replan_dir, drift.step)
+    dist.broadcast_object_list(decision, src=0)
+    return decision[0]
+
+
+def wait_for_decision(folder: str, step: int) -> str:
+    deadline = time.monotonic() + supervision.DECISION_TIMEOUT_S
+    path = supervision.decision_path(folder, step)
+    while time.monotonic() < deadline:
+        answer = supervision.read_json(path)
+        if answer is not None:
+            action = answer.get("action") if isinstance(answer, dict) else None
+            return action if action in supervision.REPLAN_ACTIONS else "keep"
+        time.sleep(0.02)
+    print(f"no decision on the drift at step {step} in time: keeping the plan", flush=True)
+    return "keep"
+
+
+def step_entry(plan: Plan, rows: list[RuntimeMeasurement]) -> dict:
+    return {
+        "step": rows[0].step,
+        "loss": rows[0].loss,
+        "step_time_s": max(row.step_time_s for row in rows),
+        "plan": plan.name,
+        "world_size": len(rows),
+        "ended_unix_s": time.time(),  # wall clock: restarts between steps show in a benchmark
+    }
 
 
 def check_launcher(launcher_pid: int) -> None:
@@ -378,7 +602,7 @@ def build_optimizer(
 
 
 def open_run(
-    plan: Plan, options: TrainOptions, context: RankContext
+    plan: Plan, options: TrainOptions, context: RankContext, first_step: int = 0
 ) -> tuple[Store | None, int | None]:
     """Rank 0 opens the store and records the run; every rank learns whether that worked."""
     outcome: list[object] = [None]
@@ -386,7 +610,7 @@ def open_run(
     if context.rank == 0 and options.store_url is not None:
         try:
             store = Store.open(options.store_url)
-            outcome[0] = record_run(store, plan, options, context)
+            outcome[0] = record_run(store, plan, options, context, first_step)
         except HexiseqError as error:
             outcome[0] = error
     dist.broadcast_object_list(outcome, src=0)
@@ -395,7 +619,9 @@ def open_run(
     return store, outcome[0]
 
 
-def record_run(store: Store, plan: Plan, options: TrainOptions, context: RankContext) -> int:
+def record_run(
+    store: Store, plan: Plan, options: TrainOptions, context: RankContext, first_step: int = 0
+) -> int:
     """The run's row, with the plan as run: its train spec names the recipe that ran
     (`sharded`, or `autocast` for `--state-sharding replicated`) and the compute dtype."""
     recipe = "sharded" if options.state_sharding == "sharded" else "autocast"
@@ -410,7 +636,7 @@ def record_run(store: Store, plan: Plan, options: TrainOptions, context: RankCon
         model_name=plan.model.name,
         seq_len=plan.train.seq_len,
         world_size=context.world_size,
-        steps=options.steps,
+        steps=options.steps - first_step,
         backend=dist.get_backend(),
         device=context.device.type,
         dtype=str(context.compute_dtype).removeprefix("torch."),

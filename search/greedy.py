@@ -288,6 +288,6 @@ def attention_speeds(problem: Problem) -> list[float]:
         backward = problem.cost.attention_time_s(
             device.gpu, UNIT_PAIRS, 1, head_dim, backward=True
         )
-        seconds = ((1 + recompute) * forward + backward) * device.emulation_slowdown
+        seconds = ((1 + recompute) * forward + backward) * device.compute_slowdown
         speeds.append(UNIT_PAIRS / seconds)
     return speeds

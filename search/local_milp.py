@@ -243,7 +243,7 @@ def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> l
         # A class shares its first group's memory rows, so its groups must share capacities
         # too (a CPU test node may set its own `memory_GiB`), not just GPU type and speed.
         kind = tuple(
-            (devices[r].gpu, devices[r].emulation_slowdown, cluster.gpu(r).memory_bytes)
+            (devices[r].gpu, devices[r].compute_slowdown, cluster.gpu(r).memory_bytes)
             for r in group
         )
         members.setdefault((kind, tuple(heads[position])), []).append(position)

@@ -327,7 +327,14 @@ def _shape(cluster: Cluster) -> tuple:
     """What a chunk's plan depends on in its cluster: its nodes but for their names (and
     the nodes themselves where links between them are declared one by one)."""
     shape = tuple(
-        (n.gpu, n.count, n.intra_node_GBps, n.emulation_slowdown, n.memory_GiB)
+        (
+            n.gpu,
+            n.count,
+            n.intra_node_GBps,
+            n.emulation_slowdown,
+            n.memory_GiB,
+            n.measured_slowdown,
+        )
         for n in cluster.nodes
     )
     return (shape, cluster.nodes, cluster.overrides) if cluster.overrides else shape

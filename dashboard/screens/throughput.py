@@ -1,5 +1,5 @@
-"""Throughput page: plan vs baselines, the search's history and Pareto front, and predicted
-vs measured runtime runs."""
+"""Throughput page: plan vs baselines, the search's history and Pareto front, predicted
+vs measured runtime runs, and the re-plans of `hexiseq run` launches."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import hashlib
 import streamlit as st
 
 from hexiseq.dashboard import _session
+from hexiseq.dashboard.views import replans as replan_views
 from hexiseq.dashboard.views import throughput as views
 from hexiseq.errors import HexiseqError
 from hexiseq.store import display_url, mask_url_passwords
@@ -16,6 +17,11 @@ RUN_HINT = (
     "No runtime runs in the store. Write a plan with `hexiseq plan ... --out plan.json`, then "
     "`hexiseq run --plan plan.json --steps 5 --store <this store's URL>`."
 )
+REPLAN_HINT = (
+    "No re-plans in the store. `hexiseq run` re-plans when a rank runs slower than predicted "
+    "or a device is lost, and records each re-plan here with its predicted and measured gain."
+)
+ALL_LAUNCHES = "all launches"
 STUDY_HINT = (
     "Studies kept by `hexiseq plan ... --trials 40 --storage <this store's URL>` show here, and "
     "those of the storage given to `hexiseq dashboard --optuna-storage URL`; or run a search on "
@@ -114,6 +120,22 @@ def _runs() -> None:
         st.caption("The plan of this run is not in the store: no prediction to compare with.")
 
 
+def _replans() -> None:
+    st.subheader("Re-plans (hexiseq run)")
+    records = _session.store().list_replans()
+    if not records:
+        st.info(REPLAN_HINT)
+        return
+    launches = list(dict.fromkeys(record.launch_id for record in records))
+    if len(launches) > 1:
+        launch = st.selectbox("Launch", [ALL_LAUNCHES, *launches], key="replan_launch")
+        if launch != ALL_LAUNCHES:
+            records = [record for record in records if record.launch_id == launch]
+    frame = replan_views.replans_frame(records)
+    st.plotly_chart(replan_views.replan_gain_figure(frame), key="replan_gains")
+    st.dataframe(frame, hide_index=True)
+
+
 def main() -> None:
     st.title("Throughput")
     _session.sidebar()
@@ -128,6 +150,7 @@ def main() -> None:
     with st.expander("Optuna study from a configured storage", expanded=True):
         _stored_study()
     _runs()
+    _replans()
 
 
 main()

@@ -10,6 +10,7 @@ rank K with as many processes as the node has devices, whatever the other nodes 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import uuid
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 
 from hexiseq.cli.arguments import positive_int, seed
 from hexiseq.errors import InputError
+from hexiseq.injections import parse_failure, parse_slowdown
 from hexiseq.store import LAUNCH_ID_ENV, STORE_URL_ENV, STORE_URL_HELP, child_environment
+from hexiseq.supervision import DEFAULT_DRIFT_THRESHOLD, MIN_GAIN
 
 DEFAULT_MASTER = "127.0.0.1:29500"
 
@@ -77,6 +80,92 @@ def add_run_parser(commands) -> None:
         help=f"node 0's address and a free port, reachable from every node (default "
         f"{DEFAULT_MASTER}: all nodes on this machine)",
     )
+    _add_replan_flags(run)
+
+
+def _add_replan_flags(run) -> None:
+    """Supervised runs that re-plan on drift or a lost device, and the faults to test them."""
+    replan = run.add_argument_group("re-planning (one machine)")
+    replan.add_argument(
+        "--replan",
+        action="store_true",
+        help="supervise the run: checkpoint every --checkpoint-every steps; when a rank drifts "
+        "(CPU ranks: compute timed against the plan) or a device is lost, plan again from "
+        "the measured rates, and go on from the same step with the new plan, state resharded",
+    )
+    replan.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="folder for the plans, checkpoints and step log of a --replan run "
+        "(default ./hexiseq-run-<launch id>)",
+    )
+    replan.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=1,
+        metavar="K",
+        help="steps between checkpoints of a --replan run (1); a lost device costs the steps "
+        "since the last one, run again",
+    )
+    replan.add_argument(
+        "--drift-threshold",
+        type=_above_one,
+        default=DEFAULT_DRIFT_THRESHOLD,
+        metavar="X",
+        help=f"a rank drifted when its compute stays X times its start "
+        f"({DEFAULT_DRIFT_THRESHOLD})",
+    )
+    replan.add_argument(
+        "--min-gain",
+        type=_above_one,
+        default=MIN_GAIN,
+        metavar="X",
+        help=f"re-plan on drift only when the new plan is predicted X times faster ({MIN_GAIN})",
+    )
+    replan.add_argument(
+        "--cost-model",
+        choices=("auto", "fitted", "datasheet"),
+        default="auto",
+        help="cost model of the re-plans: auto (the store's fit where it has one, else the "
+        "datasheet), fitted, datasheet",
+    )
+    replan.add_argument(
+        "--inject-slowdown",
+        type=_injection(parse_slowdown),
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR@STEP",
+        help="emulate rank RANK's device FACTOR (1..100) times slower from step STEP on",
+    )
+    replan.add_argument(
+        "--inject-failure",
+        type=_injection(parse_failure),
+        action="append",
+        default=[],
+        metavar="RANK@STEP",
+        help="kill rank RANK outright (SIGKILL, a lost device) when step STEP begins",
+    )
+
+
+def _above_one(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not (value > 1 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a number > 1 (got {text})")
+    return value
+
+
+def _injection(parse):
+    def parsed(text: str):
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parsed.__name__ = parse.__name__.removeprefix("parse_")
+    return parsed
 
 
 @dataclass(frozen=True)
@@ -184,6 +273,8 @@ def _train_flags(args: argparse.Namespace) -> list[str]:
         f"--seed={args.seed}",
         f"--device={args.device}",
         f"--state-sharding={args.state_sharding}",
+        *(f"--inject-slowdown={s}" for s in args.inject_slowdown),
+        *(f"--inject-failure={f}" for f in args.inject_failure),
         *(["--no-store"] if args.no_store else []),
     ]
 
@@ -237,6 +328,11 @@ def run_run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(args.plan)
     if args.node_rank is not None:
         node_share(plan, args.node_rank)  # a node the plan has
+    if args.replan and (args.print_launch or args.node_rank is not None):
+        raise InputError(
+            "--replan supervises a run on this machine: it cannot go with --print-launch or "
+            "--node-rank (a multi-node plan re-plans by hand: `hexiseq plan` again)"
+        )
     if args.print_launch:
         print(launch_text(args, plan))
         return 0
@@ -246,6 +342,8 @@ def run_run(args: argparse.Namespace) -> int:
         check_run_devices(plan, args.device, args.node_rank)
     command, environment = run_command(args, plan)
     launch_id = environment[LAUNCH_ID_ENV]
+    if args.replan:
+        return _supervised(args, plan, environment)
     try:
         code = subprocess.run(command, env=environment, check=False).returncode
     except KeyboardInterrupt:
@@ -255,6 +353,22 @@ def run_run(args: argparse.Namespace) -> int:
         _fail_unended_runs(
             args, launch_id, f"torchrun exited with code {code} before its ranks ended the run"
         )
+    return code
+
+
+def _supervised(args: argparse.Namespace, plan, environment: dict[str, str]) -> int:
+    """`--replan`: the supervisor in this process, its ranks seeing `environment`."""
+    from hexiseq.cli.supervise import supervise
+
+    launch_id = environment[LAUNCH_ID_ENV]
+    os.environ.update(environment)  # the launcher's ranks inherit this process's environment
+    try:
+        code = supervise(args, plan, launch_id)
+    except KeyboardInterrupt:
+        _fail_unended_runs(args, launch_id, "interrupted (Ctrl-C) before its ranks ended it")
+        raise
+    if code != 0:
+        _fail_unended_runs(args, launch_id, f"ranks exited with code {code}")
     return code
 
 

@@ -7,7 +7,8 @@ it is masked wherever a URL is shown (`Store.url`, errors: `mask_url_passwords`)
 Every write runs in a transaction (`Session.begin()`), so a crash or Ctrl-C loses only the write in
 flight, never what was committed before it. `Store.transaction()` groups several writes into one.
 
-The tables live in `_store_runtime` (runtime runs and measurements) and `_store_profiles`
+The tables live in `hexiseq.store.runtime` (runtime runs and measurements),
+`hexiseq.store.replans` (re-plans of `hexiseq run` launches) and `hexiseq.store.profiles`
 (profiling sweeps, fitted models) beside the plans here; `Store` gets their methods from those
 modules' mixins. Only migrations (`hexiseq.migrations`, Alembic) create or alter tables:
 `Store.open` applies those a store lacks, so a store written by an earlier hexiseq opens with
@@ -64,6 +65,7 @@ from hexiseq.store.busy_server import ENGINE_PLUGIN
 from hexiseq.store.profiles import (
     ProfileTables,
 )
+from hexiseq.store.replans import REPLAN_REASONS, Replan, ReplanRecord, ReplanTables
 from hexiseq.store.runtime import (
     LAUNCH_ID_ENV,
     MEMORY_MEASURES,
@@ -94,6 +96,9 @@ __all__ = [
     "STORE_URL_HELP",
     "PlanRecord",
     "PlanRow",
+    "REPLAN_REASONS",
+    "Replan",
+    "ReplanRecord",
     "RuntimeMeasurement",
     "Store",
     "StoreBase",
@@ -173,7 +178,7 @@ class PlanRecord:
         )
 
 
-class Store(RuntimeTables, ProfileTables):
+class Store(RuntimeTables, ReplanTables, ProfileTables):
     """A hexiseq store behind one SQLAlchemy URL. Build it with `Store.open(url)`.
 
     Usable as a context manager (`with Store.open(url) as store: ...`), which closes it on exit.

@@ -57,7 +57,7 @@ class RuntimeRunRow(StoreBase):
     torch_version: Mapped[str] = mapped_column(String)
     plan_json: Mapped[str] = mapped_column(Text)
     status: Mapped[str] = mapped_column(String, server_default="unknown")
-    """One of `RUN_STATUSES`: "running" from the start, then "finished" or "failed"."""
+    """One of `RUN_STATUSES`: "running" from the start, then how it ended."""
     failure: Mapped[str | None] = mapped_column(Text)
     """Why a failed run failed, in one line."""
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -101,9 +101,11 @@ class RuntimeKernelRow(StoreBase):
 
 
 MEMORY_MEASURES = ("cuda_max_allocated", "cpu_max_rss")
-RUN_STATUSES = ("running", "finished", "failed", "unknown")
-"""A runtime run's status; "unknown": recorded before hexiseq kept status, not all steps there."""
-ENDED_STATUSES = ("finished", "failed")
+RUN_STATUSES = ("running", "finished", "replanned", "failed", "unknown")
+"""A runtime run's status; "replanned": it stopped after a checkpoint so that `hexiseq run
+--replan` could go on with a new plan; "unknown": recorded before hexiseq kept status, not all
+steps there."""
+ENDED_STATUSES = ("finished", "replanned", "failed")
 LAUNCH_ID_ENV = "HEXISEQ_LAUNCH_ID"
 """Where `hexiseq run` hands the ranks the id of its launch."""
 _FAILURE_CHARS = 2000
@@ -195,7 +197,7 @@ class RuntimeTables:
         Raises InputError for an unknown run or status, or a failure without a reason.
         """
         if status not in ENDED_STATUSES:
-            raise InputError(f"a run ends {' or '.join(ENDED_STATUSES)}, not {status!r}")
+            raise InputError(f"a run ends {', '.join(ENDED_STATUSES)}, not {status!r}")
         if (status == "failed") != bool(failure):
             raise InputError("a failed run needs its failure; a finished one has none")
         with self._session() as session:

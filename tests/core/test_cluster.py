@@ -81,7 +81,8 @@ BAD_CLUSTER_FILES = [
         "unknown-node-key",
         "name: c\nnodes:\n  - {name: n0, gpu: H100-SXM, count: 8, colour: red}\n",
         r"nodes\[0\]\.colour: unknown key; "
-        r"allowed keys: name, gpu, count, intra_node_GBps, emulation_slowdown, memory_GiB$",
+        r"allowed keys: name, gpu, count, intra_node_GBps, emulation_slowdown, memory_GiB, "
+        r"measured_slowdown$",
     ),
     (
         "unknown-top-level-key",

@@ -45,7 +45,7 @@ def test_a_run_is_running_until_it_ends_and_keeps_its_first_ending(tmp_path):
 @pytest.mark.parametrize(
     ("status", "failure", "message"),
     [
-        ("done", None, "a run ends finished or failed, not 'done'"),
+        ("done", None, "a run ends finished, replanned, failed, not 'done'"),
         ("failed", None, "a failed run needs its failure"),
         ("finished", "why", "a finished one has none"),
     ],

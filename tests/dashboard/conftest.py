@@ -1,5 +1,5 @@
 """Fixtures of the dashboard tests: small search results and stores made the way users make
-them (`hexiseq plan ... --store`, plus a runtime run row)."""
+them (`hexiseq plan ... --store`, plus a runtime run row and a re-plan of its launch)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from hexiseq.cli import main
 from hexiseq.costmodel import FittedCostModel, fit_cost_model
 from hexiseq.plan import Plan
 from hexiseq.profiles import ProfileMeasurement
-from hexiseq.store import RuntimeMeasurement, Store
+from hexiseq.store import Replan, RuntimeMeasurement, Store
 
 
 @pytest.fixture(scope="session")
@@ -84,10 +84,37 @@ def add_runtime_run(store: Store, plan: Plan, plan_id: int | None, steps: int = 
     return run_id
 
 
+def drift_replan(old: Plan, new: Plan, **changes) -> Replan:
+    """A drift re-plan from `old` to `new` as `hexiseq run` records it: rank 1 measured 2x
+    slower, the new plan predicted 1.25x and measured 1.2x faster than the old one."""
+    step_s = new.predicted.step_time_s
+    fields = dict(
+        launch_id="launch-test",
+        step=3,
+        reason="drift",
+        detail="rank 1 measured 2.00x slower than at the start",
+        old_plan_json=old.to_json_text(),
+        new_plan_json=new.to_json_text(),
+        measured_slowdowns={1: 2.0},
+        predicted_old_step_s=1.25 * step_s,
+        predicted_new_step_s=step_s,
+        planning_s=0.5,
+        measured_before_step_s=1.5 * step_s,
+        measured_after_step_s=1.25 * step_s,
+    )
+    return Replan(**(fields | changes))
+
+
+@pytest.fixture(scope="session")
+def make_drift_replan():
+    """`drift_replan`, for tests (a test module cannot import this conftest by name)."""
+    return drift_replan
+
+
 @pytest.fixture(scope="session")
 def populated_store(tmp_path_factory, fitted_document) -> PopulatedStore:
-    """Two `hexiseq plan` searches saved with their baselines, a runtime run of the tiny plan,
-    a profile run and its fitted model."""
+    """Two `hexiseq plan` searches saved with their baselines, a runtime run of the tiny plan
+    and a re-plan of it to its ring-only baseline, a profile run and its fitted model."""
     path = tmp_path_factory.mktemp("store") / "hexiseq.db"
     url = f"sqlite:///{path}"
     for model in ("tiny-7h", "tiny"):
@@ -97,6 +124,8 @@ def populated_store(tmp_path_factory, fitted_document) -> PopulatedStore:
         best = next(r for r in store.list_plans() if r.label == "best" and r.model_name == "tiny")
         plan = Plan.from_json_text(store.get_plan_json(best.id))
         add_runtime_run(store, plan, best.id)
+        ring = next(r for r in store.list_plans() if r.label == "ring-only" and r.id > best.id)
+        store.save_replan(drift_replan(plan, Plan.from_json_text(store.get_plan_json(ring.id))))
         add_profiles(store, fitted_document)
     return PopulatedStore(url, path, best.id)
 

@@ -99,6 +99,49 @@ def test_throughput_page_shows_the_runtime_run(populated_store):
     assert runs.iloc[0]["measured_over_predicted"] == pytest.approx(1.5)
 
 
+def replans_table(app: AppTest):
+    return next(d.value for d in app.dataframe if "predicted_gain" in d.value.columns)
+
+
+def test_throughput_page_shows_the_replan(populated_store):
+    app = open_page(populated_store.url, "throughput")
+    assert_no_exception(app)
+    assert "Re-plans (hexiseq run)" in [header.value for header in app.subheader]
+    (replan,) = replans_table(app).to_dict("records")
+    assert (replan["launch"], replan["step"], replan["reason"]) == ("launch-test", 3, "drift")
+    assert replan["plan_change"].endswith(" -> 4 ranks, 4 HP groups of 1")  # to ring-only
+    assert replan["predicted_gain"] == pytest.approx(1.25)
+    assert replan["measured_gain"] == pytest.approx(1.2)
+    assert "replan_gains" in [chart.key for chart in app.get("plotly_chart")]
+    assert "No re-plans in the store" not in texts(app)
+
+
+def test_throughput_page_on_a_store_without_replans_says_what_records_them(empty_store_url):
+    app = open_page(empty_store_url, "throughput")
+    assert_no_exception(app)
+    assert "No re-plans in the store. `hexiseq run` re-plans when" in texts(app)
+
+
+def test_replans_of_several_launches_show_one_launch_when_picked(
+    empty_store_url, tiny_result, make_drift_replan
+):
+    best, ring = tiny_result.best, tiny_result.baselines["ring-only"]
+    with Store.open(empty_store_url) as store:
+        store.save_replan(make_drift_replan(best, ring))
+        store.save_replan(
+            make_drift_replan(best, ring, launch_id="launch-other", reason="lost", lost_ranks=(3,))
+        )
+    app = open_page(empty_store_url, "throughput")
+    assert_no_exception(app)
+    assert list(replans_table(app)["launch"]) == ["launch-other", "launch-test"]
+    # Picked through the state: AppTest cannot set a widget of this page (it calls the
+    # Optuna-storage box's format_func outside a run).
+    app = open_page(empty_store_url, "throughput", replan_launch="launch-test")
+    assert_no_exception(app)
+    assert app.selectbox(key="replan_launch").value == "launch-test"
+    assert list(replans_table(app)["launch"]) == ["launch-test"]
+
+
 def test_uploaded_plan_is_shown(empty_store_url, tiny_result):
     uploads = {"mine.json": tiny_result.best.to_json_text()}
     app = open_page(empty_store_url, "memory", **{_session.UPLOADS_KEY: uploads})

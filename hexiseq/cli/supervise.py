@@ -1,0 +1,423 @@
+"""`hexiseq run --replan`: train a plan under a supervisor that plans again when the cluster
+changes under it, and goes on from the same step.
+
+The supervisor launches the plan's ranks on this machine (torch elastic's launcher, in this
+process, so it learns how each rank ended) with checkpoints every `--checkpoint-every` steps
+and its run folder for reports (`hexiseq.supervision`). Two things make it re-plan:
+
+- **drift**: on CPU ranks the runtime times every rank's compute against the plan's
+  prediction (`runtime._drift`); when a rank stays `--drift-threshold` times slower than at
+  its start, rank 0 reports it and waits. The supervisor plans again on the cluster as
+  measured (`search.replan`, well under a second) and answers: re-plan when the new plan is
+  predicted `--min-gain` times faster, else keep (the ranks take their present speed as the
+  new start). On "re-plan" the ranks save a checkpoint after that step and exit.
+- **a lost device**: a rank killed outright (by a signal other than the launcher's own
+  SIGTERM: SIGKILL, a segfault) ends the launch; the supervisor plans again without it.
+
+Then it launches the new plan, which resumes from the newest checkpoint, resharded to the
+new state shares (`runtime.checkpoint`): no step is skipped, and the steps since that
+checkpoint run again on the same tokens. Each re-plan goes to the store (`Store.save_replan`)
+with why, both plans, the predicted gain, and the measured one once the new plan has run.
+Injected faults (`--inject-slowdown`, `--inject-failure`) follow their device across re-plans,
+whatever rank it gets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hexiseq import supervision
+from hexiseq.errors import HexiseqError, InputError
+from hexiseq.injections import FailureInjection, SlowdownInjection, check_ranks
+from hexiseq.plan import Plan
+
+MAX_REPLANS = 8
+"""Re-plans one run may make before the supervisor stops (a device that keeps changing)."""
+POLL_S = 0.02
+
+
+@dataclass
+class Fleet:
+    """The run's devices: which original rank (of the first plan) each present rank is, and
+    the faults injected into them, kept by original rank."""
+
+    original: list[int]
+    slowdowns: list[SlowdownInjection]
+    failures: list[FailureInjection]
+
+    def renumber(self, rank_map: dict[int, int]) -> None:
+        """The ranks of a new plan: present rank r became `rank_map[r]` (lost ones: none)."""
+        moved = [None] * len(rank_map)
+        for old, new in rank_map.items():
+            moved[new] = self.original[old]
+        self.original = moved
+
+    def present(self, original: int) -> int | None:
+        return self.original.index(original) if original in self.original else None
+
+    def injections(self) -> list[str]:
+        """The train flags of the faults of the devices still present, in present ranks."""
+        flags = []
+        for s in self.slowdowns:
+            rank = self.present(s.rank)
+            if rank is not None:
+                flags.append(f"--inject-slowdown={rank}:{s.factor:g}@{s.step}")
+        for f in self.failures:
+            rank = self.present(f.rank)
+            if rank is not None:
+                flags.append(f"--inject-failure={rank}@{f.step}")
+        return flags
+
+
+@dataclass
+class Taken:
+    """A re-plan the watcher decided on while the ranks trained."""
+
+    drift: dict
+    replanned: object  # search.replan.Replanned
+    measured_before_s: float | None
+
+
+@dataclass
+class Watcher:
+    """Answers the ranks' drift reports while they train (a thread of the supervisor)."""
+
+    folder: Path
+    plan: Plan
+    cost: object
+    min_gain: float
+    name: str
+    """The name a new plan gets."""
+    taken: Taken | None = None
+    answered: set[str] = field(default_factory=set)
+    error: str | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> threading.Thread:
+        """Watch from now on: reports already in the folder belong to earlier launches."""
+        self.answered.update(path.name for path in self.folder.glob("drift-*.json"))
+        thread = threading.Thread(target=self._run, name="hexiseq-drift-watcher", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self, thread: threading.Thread) -> None:
+        self._stop.set()
+        thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for path in sorted(self.folder.glob("drift-*.json")):
+                if path.name not in self.answered:
+                    self.answered.add(path.name)
+                    self._answer(path)
+            time.sleep(POLL_S)
+
+    def _answer(self, path: Path) -> None:
+        from hexiseq.search.replan import replan
+
+        drift = supervision.read_json(path)
+        step = drift["step"]
+        factors = {int(rank): factor for rank, factor in drift["factors"].items()}
+        action = "keep"
+        try:
+            replanned = replan(self.plan, self.cost, slowdowns=factors, name=self.name)
+        except HexiseqError as error:
+            self.error = f"re-plan after the drift at step {step} failed: {error}"
+            print(f"hexiseq run: {self.error}; keeping the plan", file=sys.stderr)
+        else:
+            gain = replanned.predicted_gain
+            if self.taken is None and replanned.worth_it(self.min_gain):
+                action = "replan"
+                before = measured_step_s(self.folder, self.plan.name, step)
+                self.taken = Taken(drift, replanned, before)
+            print(
+                f"hexiseq run: drift at step {step} ({_describe(factors)}); re-planned in "
+                f"{replanned.planning_s:.2f} s, predicted {gain:.2f}x: {action}",
+                flush=True,
+            )
+        supervision.write_json(supervision.decision_path(self.folder, step), {"action": action})
+
+
+def _describe(factors: dict[int, float]) -> str:
+    return ", ".join(f"rank {r} {f:.2f}x" for r, f in sorted(factors.items()))
+
+
+def measured_step_s(folder: Path, plan_name: str, last_step: int, count: int = 2) -> float | None:
+    """Median step time of the `count` steps of `plan_name` up to `last_step` (None: none)."""
+    times = [
+        entry["step_time_s"]
+        for entry in supervision.read_steps(folder)
+        if entry.get("plan") == plan_name and last_step - count < entry["step"] <= last_step
+    ]
+    return statistics.median(times) if times else None
+
+
+def measured_after_s(folder: Path, plan_name: str) -> float | None:
+    """Median step time of `plan_name`'s steps after its first (which warms up)."""
+    times = [
+        e["step_time_s"] for e in supervision.read_steps(folder) if e.get("plan") == plan_name
+    ]
+    return statistics.median(times[1:]) if len(times) > 1 else None
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    code: int
+    lost: tuple[int, ...] = ()
+    """Ranks killed by a signal not the launcher's (lost devices)."""
+
+
+def launch(arguments: list[str], world: int, launch_id: str) -> LaunchOutcome:
+    """Run the ranks (`python -m hexiseq.runtime.train arguments`) on this machine until they
+    end, and say how: 0, `EXIT_REPLAN` (every rank), lost ranks, or another exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        run_id=f"hexiseq-{launch_id[:8]}-{uuid.uuid4().hex[:8]}",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    # As torchrun does: one intra-op thread per rank unless told otherwise (ranks that
+    # share a machine's cores would otherwise oversubscribe them many times over).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        elastic_launch(config, sys.executable)("-m", "hexiseq.runtime.train", *arguments)
+    except ChildFailedError as error:
+        return outcome_of({rank: failure.exitcode for rank, failure in error.failures.items()})
+    return LaunchOutcome(0)
+
+
+def outcome_of(exit_codes: dict[int, int]) -> LaunchOutcome:
+    """How a launch ended from its failed ranks' exit codes (negative: killed by signal -c)."""
+    import signal
+
+    launcher_signals = {-signal.SIGTERM, -signal.SIGINT}
+    lost = tuple(sorted(r for r, c in exit_codes.items() if c < 0 and c not in launcher_signals))
+    if lost:
+        return LaunchOutcome(1, lost)
+    codes = set(exit_codes.values())
+    if codes == {supervision.EXIT_REPLAN}:
+        return LaunchOutcome(supervision.EXIT_REPLAN)
+    positive = [c for c in exit_codes.values() if c > 0]
+    return LaunchOutcome(max(positive) if positive else 1)
+
+
+def supervise(args: argparse.Namespace, plan: Plan, launch_id: str) -> int:
+    """The supervised run (see the module docstring); returns the exit code."""
+    folder = Path(args.run_dir or f"hexiseq-run-{launch_id[:8]}")
+    folder.mkdir(parents=True, exist_ok=True)
+    problem = check_ranks([*args.inject_slowdown, *args.inject_failure], plan.cluster.world_size)
+    if problem is not None:
+        raise InputError(problem)
+    cost = replan_cost_model(args, plan)
+    fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
+    print(f"hexiseq run: supervising '{plan.name}'; run folder {folder}", flush=True)
+    running: int | None = None  # the store id of the re-plan whose plan runs now
+    first_name = plan.name
+    for segment in range(MAX_REPLANS + 1):
+        plan_path = folder / f"plan-{segment}.json"
+        plan.to_json(plan_path)
+        new_name = f"{first_name}-replan{segment + 1}"
+        watcher = Watcher(folder, plan, cost, args.min_gain, new_name)
+        thread = watcher.start() if watches_drift(args) else None
+        arguments = segment_arguments(args, plan_path, folder, fleet, resume=segment > 0)
+        try:
+            outcome = launch(arguments, plan.cluster.world_size, launch_id)
+        finally:
+            if thread is not None:
+                watcher.stop(thread)
+        record_measured_after(args, running, folder, plan.name)
+        if outcome.code == 0:
+            return 0
+        if outcome.code == supervision.EXIT_REPLAN and watcher.taken is not None:
+            taken = watcher.taken
+            factors = {int(r): f for r, f in taken.drift["factors"].items()}
+            detail = f"step {taken.drift['step']}: {_describe(factors)} slower than at its start"
+            change = Change("drift", detail, factors, (), taken.measured_before_s)
+            replanned = taken.replanned
+        elif outcome.lost:
+            fail_unended(args, launch_id, f"rank(s) {_ranks(outcome.lost)} lost (killed)")
+            replanned = replan_lost(plan, cost, outcome.lost, new_name)
+            detail = ", ".join(_device(plan, r) for r in outcome.lost) + " lost"
+            change = Change("lost", detail, {}, outcome.lost, None)
+        else:
+            return outcome.code
+        print(
+            f"hexiseq run: re-planned ({change.reason}: {change.detail}) -> "
+            f"'{replanned.plan.name}' on {replanned.plan.cluster.world_size} ranks (searched in "
+            f"{replanned.planning_s:.2f} s)",
+            flush=True,
+        )
+        step = resume_step(folder)
+        running = record_replan(args, launch_id, plan, replanned, change, step)
+        fleet.renumber(replanned.rank_map)
+        plan = replanned.plan
+    print(f"hexiseq run: stopped after {MAX_REPLANS} re-plans", file=sys.stderr)
+    return 1
+
+
+def _ranks(ranks: tuple[int, ...]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def fail_unended(args: argparse.Namespace, launch_id: str, failure: str) -> None:
+    """The runs of this launch its ranks could not end (a rank lost): failed, with why."""
+    if args.no_store:
+        return
+    from hexiseq.store import Store
+
+    try:
+        with Store.open(args.store) as store:
+            store.fail_unended_runs(launch_id, failure)
+    except HexiseqError as error:
+        print(f"hexiseq run: could not record the lost launch: {error}", file=sys.stderr)
+
+
+def _device(plan: Plan, rank: int) -> str:
+    device = plan.cluster.devices[rank]
+    return f"rank {rank} ({device.node} #{device.local_rank}, {device.gpu})"
+
+
+def watches_drift(args: argparse.Namespace) -> bool:
+    """Drift is timed on CPU ranks only (`runtime.train`); CUDA runs re-plan on losses."""
+    return args.device == "cpu" or (args.device == "auto" and not _cuda_available())
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def segment_arguments(
+    args: argparse.Namespace, plan_path: Path, folder: Path, fleet: Fleet, resume: bool
+) -> list[str]:
+    """The runtime's flags for one launch of the supervised run."""
+    arguments = [
+        f"--plan={plan_path}",
+        f"--steps={args.steps}",
+        f"--seed={args.seed}",
+        f"--device={args.device}",
+        f"--state-sharding={args.state_sharding}",
+        f"--checkpoint-dir={folder / 'checkpoints'}",
+        f"--checkpoint-every={args.checkpoint_every}",
+        *fleet.injections(),
+        *(["--no-store"] if args.no_store else []),
+        *(["--resume"] if resume else []),
+    ]
+    if watches_drift(args):
+        arguments += [f"--replan-dir={folder}", f"--drift-threshold={args.drift_threshold}"]
+    return arguments
+
+
+def replan_cost_model(args: argparse.Namespace, plan: Plan):
+    """The cost model re-plans use: the store's newest fit for the plan's GPU types where it
+    has one, the datasheet elsewhere (`--cost-model`). The store is the one the ranks write
+    to (created as they would create it)."""
+    from hexiseq.costmodel.datasheet import DatasheetCostModel
+    from hexiseq.search.predict import resolve_cost_model
+    from hexiseq.store import Store, store_url_from
+
+    if args.cost_model == "datasheet" or (args.no_store and args.cost_model == "auto"):
+        return DatasheetCostModel()
+    if args.no_store:
+        raise InputError("--cost-model fitted reads the store's fits: not with --no-store")
+    with Store.open(store_url_from(args.store)) as store:
+        return resolve_cost_model(args.cost_model, store, plan.cluster.gpu_types)
+
+
+def replan_lost(plan: Plan, cost, lost: tuple[int, ...], name: str):
+    from hexiseq.search.replan import replan
+
+    return replan(plan, cost, lost=lost, name=name)
+
+
+@dataclass(frozen=True)
+class Change:
+    """Why the supervisor re-planned."""
+
+    reason: str  # "drift" or "lost"
+    detail: str
+    factors: dict[int, float]  # drift: old rank -> measured factor
+    lost: tuple[int, ...]
+    measured_before_s: float | None
+
+
+def resume_step(folder: Path) -> int:
+    """The step the next launch starts at: its newest checkpoint's (0: none yet)."""
+    from hexiseq.runtime._checkpoint_files import latest_checkpoint
+
+    found = latest_checkpoint(folder / "checkpoints")
+    return 0 if found is None else found[0]
+
+
+def record_replan(
+    args: argparse.Namespace,
+    launch_id: str,
+    plan: Plan,
+    replanned,
+    change: Change,
+    step: int,
+) -> int | None:
+    """The re-plan's row in the store (None: no store, or it failed, which is said). A plan
+    that lost a device has no step time on what is left: its own prediction stands in."""
+    if args.no_store:
+        return None
+    from hexiseq.store import Replan, Store
+
+    old_step_s = replanned.predicted_old_step_s or plan.predicted.step_time_s
+    try:
+        record = Replan(
+            launch_id=launch_id,
+            step=step,
+            reason=change.reason,
+            detail=change.detail,
+            old_plan_json=plan.to_json_text(),
+            new_plan_json=replanned.plan.to_json_text(),
+            measured_slowdowns=change.factors,
+            lost_ranks=change.lost,
+            predicted_old_step_s=old_step_s,
+            predicted_new_step_s=replanned.predicted_new_step_s,
+            planning_s=replanned.planning_s,
+            measured_before_step_s=change.measured_before_s,
+            measured_after_step_s=None,
+        )
+        with Store.open(args.store) as store:
+            return store.save_replan(record)
+    except HexiseqError as error:
+        print(f"hexiseq run: could not record the re-plan: {error}", file=sys.stderr)
+        return None
+
+
+def record_measured_after(
+    args: argparse.Namespace, replan_id: int | None, folder: Path, plan_name: str
+) -> None:
+    """Once a re-planned plan has run, its measured step time goes to its re-plan's row."""
+    if replan_id is None or args.no_store:
+        return
+    after = measured_after_s(folder, plan_name)
+    if after is None:
+        return
+    from hexiseq.store import Store
+
+    try:
+        with Store.open(args.store) as store:
+            store.set_replan_measured_after(replan_id, after)
+    except HexiseqError as error:
+        print(
+            f"hexiseq run: could not record the re-plan's measured gain: {error}", file=sys.stderr
+        )

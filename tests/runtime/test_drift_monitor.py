@@ -1,0 +1,68 @@
+"""The drift monitor: every rank's compute against the plan's prediction, step by step."""
+
+from __future__ import annotations
+
+import pytest
+
+from hexiseq.runtime._drift import BASELINE_STEPS, PATIENCE, DriftMonitor
+
+PREDICTED = [1.0, 2.0, 4.0]
+
+
+def feed(monitor, rows, first_step=0):
+    """Observe each row of measured seconds; the drifts reported, by step."""
+    return {
+        step: drift
+        for step, row in enumerate(rows, start=first_step)
+        if (drift := monitor.observe(step, row)) is not None
+    }
+
+
+def test_a_rank_slower_for_patience_steps_is_reported_by_its_factor():
+    monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
+    start = [[9.0, 9.0, 9.0]] + [[1.5, 3.2, 5.0]] * BASELINE_STEPS  # warm-up, then the base
+    slow = [[1.5 * 2, 3.2, 5.0]] * PATIENCE
+    reports = feed(monitor, start + slow)
+    step = len(start) + PATIENCE - 1
+    assert list(reports) == [step]
+    assert reports[step].factors == {0: pytest.approx(2.0)}
+    assert reports[step].drift == pytest.approx((2.0, 1.0, 1.0))
+    assert "rank 0 2.00x slower" in reports[step].describe()
+
+
+def test_one_slow_step_is_noise_and_the_band_holds():
+    monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
+    base = [1.0, 2.0, 4.0]
+    rows = [base] * (1 + BASELINE_STEPS) + [[2.0, 2.0, 4.0], base, [1.25, 2.5, 3.2]] * 3
+    assert feed(monitor, rows) == {}
+
+
+def test_a_rank_measured_slow_before_is_reported_when_it_recovers():
+    monitor = DriftMonitor(PREDICTED, [False, True, False], threshold=1.3)
+    rows = [[1.0, 4.0, 4.0]] * (1 + BASELINE_STEPS) + [[1.0, 2.0, 4.0]] * PATIENCE
+    reports = feed(monitor, rows)
+    assert [r.factors for r in reports.values()] == [{1: pytest.approx(0.5)}]
+    # a rank never measured slow that gets faster moves nothing
+    other = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
+    assert feed(other, rows) == {}
+
+
+def test_rebase_takes_present_speeds_as_the_start():
+    monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
+    rows = [[1.0, 2.0, 4.0]] * (1 + BASELINE_STEPS) + [[3.0, 2.0, 4.0]] * PATIENCE
+    assert len(feed(monitor, rows)) == 1
+    monitor.rebase()
+    assert feed(monitor, [[3.0, 2.0, 4.0]] * 4, first_step=len(rows)) == {}
+
+
+@pytest.mark.parametrize(
+    "predicted, slowed, threshold, message",
+    [
+        ([1.0, 0.0], [False, False], 1.3, "predicted compute must be > 0"),
+        ([1.0], [False, False], 1.3, "one prediction and one slowed flag per rank"),
+        ([1.0], [False], 1.0, "threshold must be > 1"),
+    ],
+)
+def test_bad_monitors(predicted, slowed, threshold, message):
+    with pytest.raises(ValueError, match=message):
+        DriftMonitor(predicted, slowed, threshold)
