@@ -12,10 +12,15 @@ two of them emulated 2x slower), STEPS steps, in four runs with the same seed:
   on the three ranks left and resumes from the last checkpoint.
 
 Throughput after the fault: tokens of the steps from the fault on over the wall time from the
-end of the step before it to the end of the last step (so the checkpoint, the restart and
-the first step of the new plan count against re-planning). Losses: the largest relative
+end of the step before it to the end of the last step (so the checkpoint, the hand-over to
+the new plan — in place after a drift, a relaunch after a lost device — and the new plan's
+first step count against re-planning). Losses: the largest relative
 difference of any step's loss from the reference's (the new plan's layout and state shares
 sum in another order: fp32 noise). Planning: the supervisor's search, from its log.
+
+Then the re-plan search alone on simulated clusters (datasheet model): the default plan of
+each preset, re-planned after one device is measured 2x slower and after one device is lost;
+the median of REPEATS warm calls of `search.replan`, and the gain it predicts.
 
 Run: `.venv/bin/python benchmarks/replanning.py [--no-write]` (prints the table and updates
 the "Re-planning while training" section of benchmarks/RESULTS.md). About 6 minutes on 2 cores.
@@ -150,23 +155,70 @@ def report(results: list[dict]) -> str:
         f"`hexiseq run --replan` on `{CLUSTER}` (4 CPU ranks, two emulated 2x slower), model "
         f"`{MODEL}`, {SEQ_LEN} tokens, {STEPS} steps, checkpoint every step; slowdown: rank 0 "
         f"2x slower from step {SLOW_AT}; lost device: rank 1 killed when step {FAIL_AT} "
-        f"begins. Throughput from the fault on counts the checkpoint, the restart and the new "
-        f"plan's first step ({platform.processor() or platform.machine()}, 2 cores, Python "
-        f"{platform.python_version()}; {when}).",
+        f"begins. Throughput from the fault on counts the checkpoint, the hand-over (in place "
+        f"after a drift, a relaunch after a loss) and the new plan's first step "
+        f"({platform.machine()}, 2 cores, Python {platform.python_version()}; {when}).",
         "",
         HEADER,
         *(format_row(row, kept if "slowdown" in row["run"] else None) for row in results),
-        "",
-        "Produced by `.venv/bin/python benchmarks/replanning.py`.",
     ]
     return "\n".join(lines)
+
+
+SIMULATED = [
+    ("h100x8-a100x8", "llama3-8b", "256k"),
+    ("mix4-32", "llama3-8b", "512k"),
+    ("mix2-128", "llama3-8b", "1M"),
+    ("mix4-128", "llama3-70b", "512k"),
+]
+REPEATS = 3
+
+
+def simulated() -> list[str]:
+    """Rows of the re-plan search table (see the module docstring)."""
+    import statistics
+
+    from hexiseq import plan_search
+    from hexiseq.costmodel.datasheet import DatasheetCostModel
+    from hexiseq.search.replan import replan
+
+    cost = DatasheetCostModel()
+    rows = []
+    for cluster, model, seq_len in SIMULATED:
+        plan = plan_search(cluster, model, seq_len, cost_model=cost).best
+        for what, change in (("rank 0 2x slower", {"slowdowns": {0: 2.0}}),
+                             ("rank 0 lost", {"lost": [0]})):  # fmt: skip
+            replan(plan, cost, **change)  # warm-up
+            runs = [replan(plan, cost, **change) for _ in range(REPEATS)]
+            seconds = statistics.median(r.planning_s for r in runs)
+            gain = runs[0].predicted_gain
+            rows.append(
+                f"| {cluster} ({plan.cluster.world_size} GPUs) | {model} | {seq_len} | {what} | "
+                f"{seconds:.2f} | {'-' if gain is None else f'{gain:.2f}x'} |"
+            )
+            print(rows[-1], flush=True)
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
-    text = report(measure())
+    text = "\n".join(
+        [
+            report(measure()),
+            "",
+            "Re-plan search alone, simulated (datasheet model; median of 3 warm calls; "
+            "predicted gain of the new plan over the old one on the changed cluster; a lost "
+            "device has none, its old plan cannot run):",
+            "",
+            "| cluster | model | tokens | change | re-plan s | predicted gain |",
+            "|---|---|---|---|---:|---:|",
+            *simulated(),
+            "",
+            "Produced by `.venv/bin/python benchmarks/replanning.py`.",
+        ]
+    )
     print(text)
     if not args.no_write:
         replace_section("replanning", text)

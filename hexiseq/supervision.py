@@ -4,10 +4,11 @@ side ever reads half of one.
 
 - `steps.jsonl`: rank 0 appends one line per step: step, loss, step time, plan name.
 - `drift-<step>.json`: rank 0, when some rank changed speed (`runtime._drift.Drift`).
-- `decision-<step>.json`: the supervisor's answer to that drift: {"action": "replan"} (the
-  ranks checkpoint after that step and exit `EXIT_REPLAN`) or {"action": "keep"} (train on,
-  the present speeds as the new start). Rank 0 waits for it up to `DECISION_TIMEOUT_S`, then
-  keeps the plan.
+- `decision-<step>.json`: the supervisor's answer to that drift: {"action": "replan",
+  "plan": path} (the ranks checkpoint after that step and go on with the plan at `path`, in
+  place: same world, work moved, states resharded from the checkpoint) or {"action": "keep"}
+  (train on, the present speeds as the new start). Rank 0 waits for it up to
+  `DECISION_TIMEOUT_S`, then keeps the plan.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ DEFAULT_DRIFT_THRESHOLD = 1.3
 MIN_GAIN = 1.05
 """Default predicted speed-up below which a drift does not re-plan: a restart costs a
 checkpoint, a relaunch and a warm-up step, more than a few per cent of a short run."""
-EXIT_REPLAN = 3
-"""Exit code of every rank that stopped for a re-plan (after saving a checkpoint)."""
 DECISION_TIMEOUT_S = 60.0
 STEP_LOG = "steps.jsonl"
 REPLAN_ACTIONS = ("replan", "keep")

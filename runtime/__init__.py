@@ -25,7 +25,10 @@ sequence sharded by an `AttentionLayout` over a process group (default: the worl
 - `_startup`      pure: is a rank torchrun started where the plan puts it (checked before any
                   communication: world size, node, local rank, GPU type)
 - `hf`            a plan applied to a user's Hugging Face Llama/Qwen2 model (attention swapped)
-- `_emulation`    emulated slower devices: compute phases padded by sleeping
+- `_emulation`    emulated slower devices: compute phases padded by sleeping (and timed)
+- `checkpoint`    distributed checkpoints of the sharded states (safetensors + JSON, no pickle),
+                  resharded on load to any split; `_checkpoint_files` their manifest and checks
+- `_drift`        pure: every rank's compute against the plan's prediction; who drifted
 
 Communication of one attention layer (B batch, D head size, e bytes per element of the
 compute dtype, e.g. 2 for bf16; T_i tokens and h_i query heads of rank i; c_i = its K/V heads

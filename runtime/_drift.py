@@ -2,21 +2,21 @@
 drifted (a slower device: thermal throttling, a noisy neighbour, an injected slowdown) and by
 how much, for `hexiseq run --replan` to plan again from measured rates.
 
-A rank's *rate ratio* at a step is its measured compute (the CPU time of its compute phases
-times its emulated slowdown: `_emulation.ComputePadding.device_s`) over the compute the plan
-predicts for it (`RankPrediction.linear_s + attention_s`). The ratio is not 1 even on a
-healthy rank (the model's error, the host), so a rank's *drift* is its ratio over its own
-ratio at the start of the run (the median of the `BASELINE_STEPS` steps after the first,
-which warms caches and allocators). A rank whose drift stays at or above the threshold for
-`PATIENCE` steps in a row has slowed down by that factor; one that was measured slow before
-(its device's `measured_slowdown` in the plan) and whose drift falls to 1 / threshold has
-recovered. Ranks inside the band keep their factor: noise and the CPU shared by emulated
-ranks (one rank sleeping gives the others more of it) never move a plan. Pure: no torch.
+A rank's *rate ratio* at a step is its measured compute (`_emulation.ComputePadding.device_s`:
+on a CPU rank the CPU time of its compute phases times its emulated slowdown, on a GPU the
+phases' time on the stream by CUDA events) over the compute the plan predicts for it
+(`RankPrediction.linear_s + attention_s`). The ratio is not 1 even on a healthy rank (the
+model's error, the host), so a rank's *drift* is its ratio over its own ratio at the start
+of the run: the lowest of the `BASELINE_STEPS` steps after the first (which warms caches and
+allocators), so that a slowdown beginning inside that window does not hide in the start. A
+rank whose drift stays at or above the threshold for `PATIENCE` steps in a row has slowed
+down by that factor; one that was measured slow before (its device's `measured_slowdown` in
+the plan) and whose drift falls to 1 / threshold has recovered. Ranks inside the band keep
+their factor: noise and the CPU shared by emulated ranks never move a plan. Pure: no torch.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -83,7 +83,7 @@ class DriftMonitor:
             if len(self._ratios) < 1 + BASELINE_STEPS:
                 return None
             window = self._ratios[1:]  # the first step warms up
-            self._baseline = tuple(statistics.median(col) for col in zip(*window, strict=True))
+            self._baseline = tuple(min(col) for col in zip(*window, strict=True))
             return None
         drift = tuple(r / b for r, b in zip(ratios, self._baseline, strict=True))
         changed = {}

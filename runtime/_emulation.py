@@ -14,7 +14,7 @@ left."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from torch import nn
@@ -49,18 +49,23 @@ def communication_phase() -> Iterator[None]:
         yield
         return
     began, began_cpu = time.perf_counter(), time.thread_time()
+    began_gpu = padding._gpu.start() if padding._gpu is not None else None
     try:
         yield
     finally:
         padding._opened_at += time.perf_counter() - began
         padding._opened_cpu += time.thread_time() - began_cpu
+        if began_gpu is not None:
+            padding._gpu.stop(began_gpu, sign=-1)  # the stream waited on it: not compute
 
 
 class ComputePadding:
     """Forward and backward hooks that pad every phase of `model` by (slowdown - 1) x, and
     time the phases (`device_s`) when `timed` or padding."""
 
-    def __init__(self, model: nn.Module, slowdown: float, timed: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, slowdown: float, timed: bool = False, gpu: GpuPhases | None = None
+    ) -> None:
         _check_slowdown(slowdown)
         self.extra = slowdown - 1.0
         self.debt_s = 0.0
@@ -69,7 +74,10 @@ class ComputePadding:
         """The emulated device's compute so far: each phase's CPU time on this rank's thread
         (`time.thread_time`: not the time the OS gave the cores to other ranks), times the
         slowdown in force then. What a GPU's kernel timer would read on the slower device;
-        the drift monitor (`_drift`) compares it with the plan's prediction."""
+        the drift monitor (`_drift`) compares it with the plan's prediction. On a GPU
+        (`gpu` given): the phases' time on the GPU's stream, added by `settle`."""
+        self._gpu = gpu
+        self._gpu_opened = None
         self._open = 0
         self._opened_at = 0.0
         self._opened_cpu = 0.0
@@ -106,16 +114,27 @@ class ComputePadding:
         if self._open == 0:
             self._opened_at = time.perf_counter()
             self._opened_cpu = time.thread_time()
+            if self._gpu is not None:
+                self._gpu_opened = self._gpu.start()
         self._open += 1
 
     def _end(self, *_args) -> None:
         self._open -= 1
         if self._open == 0:
             phase_s = time.perf_counter() - self._opened_at
-            self.device_s += (1 + self.extra) * (time.thread_time() - self._opened_cpu)
+            if self._gpu is not None:
+                self._gpu.stop(self._gpu_opened)
+            else:
+                self.device_s += (1 + self.extra) * (time.thread_time() - self._opened_cpu)
             self.debt_s += self.extra * phase_s
             if self.debt_s >= MIN_SLEEP_S:
                 self.flush()
+
+    def settle(self) -> None:
+        """Add the GPU time of the phases timed so far to `device_s` (call after the step's
+        work has finished: `torch.cuda.synchronize`); nothing to do on a CPU."""
+        if self._gpu is not None:
+            self.device_s += self._gpu.settle_s()
 
     def flush(self) -> None:
         """Sleep off the padding still owed."""
@@ -134,6 +153,40 @@ class ComputePadding:
         self._handles.clear()
         if _active is self:
             _active = None
+
+
+class GpuPhases:
+    """Compute phases timed on a GPU: a CUDA event pair on the current stream per phase (the
+    union of open phases, as on the CPU), minus a pair around each collective the stream
+    waited on inside one (`communication_phase`). Recording costs no synchronization; the
+    times are read once the step has finished (`settle_s`). `event` makes an event (tests
+    give a stand-in)."""
+
+    def __init__(self, event: Callable[[], object] | None = None) -> None:
+        self._event = event or _cuda_event
+        self._pairs: list[tuple[object, object, int]] = []
+
+    def start(self) -> object:
+        began = self._event()
+        began.record()
+        return began
+
+    def stop(self, began: object, sign: int = 1) -> None:
+        ended = self._event()
+        ended.record()
+        self._pairs.append((began, ended, sign))
+
+    def settle_s(self) -> float:
+        """Seconds of compute recorded since the last call (the events must have happened)."""
+        total_ms = sum(sign * began.elapsed_time(ended) for began, ended, sign in self._pairs)
+        self._pairs.clear()
+        return max(total_ms, 0.0) / 1e3
+
+
+def _cuda_event() -> object:
+    import torch
+
+    return torch.cuda.Event(enable_timing=True)
 
 
 def _check_slowdown(slowdown: float) -> None:

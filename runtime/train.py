@@ -34,6 +34,14 @@ What is measured (per rank, per step):
   count it).
 - Emulated slowdown k of the rank's device (cluster `emulation_slowdown`): the rank sleeps
   (k - 1) x each compute phase (`_emulation`); rows are labelled as emulation.
+
+Under `hexiseq run --replan` (flags set by its supervisor, `hexiseq/cli/supervise.py`): a
+checkpoint every `--checkpoint-every` steps in `--checkpoint-dir` (`checkpoint`; `--resume`
+starts from the newest, resharded to this plan's shares, at its step); every rank's compute
+measured against the plan's prediction (`_drift`) and a drift reported to the supervisor
+through `--replan-dir`, whose "replan" hands over a new plan: every rank checkpoints, builds
+the new plan's model and loads the checkpoint into it, resharded, and goes on from the next
+step in this process; injected faults (`--inject-slowdown`, `--inject-failure`).
 """
 
 from __future__ import annotations
@@ -67,7 +75,7 @@ from hexiseq.injections import (
 )
 from hexiseq.plan import Plan
 from hexiseq.runtime._drift import Drift, DriftMonitor
-from hexiseq.runtime._emulation import ComputePadding
+from hexiseq.runtime._emulation import ComputePadding, GpuPhases
 from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placement_error: API)
     FoundDevice,
     check_world_size,
@@ -324,11 +332,6 @@ def check_rank_start(plan: Plan, options: TrainOptions) -> None:
     error = rank_start_error(plan, os.environ)
     if error is None:
         error = check_ranks([*options.slowdowns, *options.failures], plan.cluster.world_size)
-    if error is None and options.watches_drift and uses_cuda(options):
-        error = (
-            "--replan-dir: drift is measured on CPU ranks only (their compute is timed "
-            "synchronously); on CUDA re-plan on lost devices only, without --replan-dir"
-        )
     if error is None and uses_cuda(options):
         error = rank_start_error(plan, os.environ, found_cuda_device(local_rank_of(os.environ)))
     if error is not None:
@@ -372,23 +375,48 @@ def init_rank(plan: Plan, options: TrainOptions) -> RankContext:
 
 
 def train(plan: Plan, options: TrainOptions, context: RankContext) -> int:
-    """K AdamW steps of the plan, measured and recorded; returns the exit code (0, or
-    `supervision.EXIT_REPLAN` when the supervisor chose to re-plan). The run's row ends
-    "finished", "replanned", or "failed" with why when any step raised on this rank (rank 0
-    records it; a rank that died shows there as the collective it broke)."""
+    """K AdamW steps of the plan, measured and recorded; returns the exit code. Each plan
+    run is a row of its own: "finished", or "replanned" when the supervisor handed over a new
+    plan at a step (then the ranks go on with it in this process, from a checkpoint of that
+    step, resharded), or "failed" with why when any step raised on this rank (rank 0 records
+    it; a rank that died shows there as the collective it broke)."""
     first_step = resume_step(options)
-    store, run_id = open_run(plan, options, context, first_step)
-    try:
-        code = run_steps(plan, options, context, store, run_id, first_step)
-    except BaseException as error:
-        end_run(store, run_id, "failed", failure_of(error))
-        raise
-    else:
-        end_run(store, run_id, "replanned" if code == supervision.EXIT_REPLAN else "finished")
-    finally:
-        if store is not None:
-            store.close()
-    return code
+    while True:
+        store, run_id = open_run(plan, options, context, first_step)
+        try:
+            handover = run_steps(plan, options, context, store, run_id, first_step)
+        except BaseException as error:
+            end_run(store, run_id, "failed", failure_of(error))
+            raise
+        else:
+            end_run(store, run_id, "finished" if handover is None else "replanned")
+        finally:
+            if store is not None:
+                store.close()
+        if handover is None:
+            return 0
+        plan, first_step = take_over(handover, context), handover.step
+
+
+@dataclass(frozen=True)
+class Handover:
+    """The supervisor's new plan (a file), to run from `step` on (its checkpoint saved)."""
+
+    plan_path: str
+    step: int
+
+
+def take_over(handover: Handover, context: RankContext) -> Plan:
+    """The new plan, checked and joined (collective: replicas make their process groups).
+    The world stays: a drift re-plan moves work, never ranks."""
+    plan = Plan.from_json(handover.plan_path)
+    if plan.cluster.world_size != context.world_size:
+        raise InputError(
+            f"re-plan {handover.plan_path} is for {plan.cluster.world_size} ranks; this run has "
+            f"{context.world_size}"
+        )
+    context.mesh = join_mesh(plan, context.rank)
+    return plan
 
 
 def resume_step(options: TrainOptions) -> int:
@@ -408,9 +436,10 @@ def run_steps(
     store: Store | None,
     run_id: int | None,
     first_step: int = 0,
-) -> int:
-    """Build the plan's model and optimizer (from the checkpoint when resuming) and run,
-    measure and record steps `first_step`..K-1. Returns the exit code."""
+) -> Handover | None:
+    """Build the plan's model and optimizer (from the newest checkpoint when not starting at
+    step 0) and run, measure and record steps `first_step`..K-1; a `Handover` when the
+    supervisor re-planned before the last."""
     sharded = options.state_sharding == "sharded"
     model = build_plan_model(plan, context, options.seed, sharded)
     optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
@@ -419,7 +448,16 @@ def run_steps(
 
         _, path = latest_checkpoint(options.checkpoint_dir)
         load_checkpoint(path, model, optimizer)
-    padding = ComputePadding(model, context.slowdown, timed=options.watches_drift)
+    gpu = GpuPhases() if options.watches_drift and context.device.type == "cuda" else None
+    padding = ComputePadding(model, context.slowdown, timed=options.watches_drift, gpu=gpu)
+    try:
+        return _steps(plan, options, context, store, run_id, first_step, model, optimizer, padding)
+    finally:
+        padding.remove()
+
+
+def _steps(plan, options, context, store, run_id, first_step, model, optimizer, padding):
+    sharded = options.state_sharding == "sharded"
     monitor = drift_monitor(plan, options) if options.watches_drift else None
     mesh = context.mesh_of(plan)
     positions = token_positions(mesh.layout, mesh.local_rank).to(context.device)
@@ -431,6 +469,7 @@ def run_steps(
         measurement = measure_step(
             plan, options, context, model, optimizer, padding, positions, step, sharded
         )
+        padding.settle()  # the step synchronized: its GPU phases are timed
         gathered = [None] * context.world_size
         dist.all_gather_object(gathered, (measurement, padding.device_s - device_s))
         rows = [row for row, _ in gathered]
@@ -441,20 +480,22 @@ def run_steps(
             if options.replan_dir is not None:
                 supervision.append_step(options.replan_dir, step_entry(plan, rows))
         done = step + 1
-        if (
-            done < options.steps
-            and options.checkpoint_every
-            and done % options.checkpoint_every == 0
-        ):
+        saved = done < options.steps and _checkpoint_due(options, done)
+        if saved:
             save_plan_checkpoint(plan, options, context, model, optimizer, done)
         drift = None if monitor is None else monitor.observe(step, [b for _, b in gathered])
         if drift is not None and done < options.steps:
-            if ask_supervisor(options, context, drift) == "replan":
-                if not (options.checkpoint_every and done % options.checkpoint_every == 0):
+            decision = ask_supervisor(options, context, drift)
+            if decision.get("action") == "replan" and decision.get("plan"):
+                if not saved:
                     save_plan_checkpoint(plan, options, context, model, optimizer, done)
-                return supervision.EXIT_REPLAN
+                return Handover(decision["plan"], done)
             monitor.rebase()
-    return 0
+    return None
+
+
+def _checkpoint_due(options: TrainOptions, done: int) -> bool:
+    return bool(options.checkpoint_every) and done % options.checkpoint_every == 0
 
 
 def drift_monitor(plan: Plan, options: TrainOptions) -> DriftMonitor:
@@ -499,31 +540,29 @@ def save_plan_checkpoint(
         prune_checkpoints(options.checkpoint_dir, KEEP_CHECKPOINTS)
 
 
-def ask_supervisor(options: TrainOptions, context: RankContext, drift: Drift) -> str:
-    """Rank 0 reports the drift and waits for the supervisor's decision; every rank gets
-    it. No answer in time: keep the plan."""
-    decision = ["keep"]
+def ask_supervisor(options: TrainOptions, context: RankContext, drift: Drift) -> dict:
+    """Rank 0 reports the drift and waits for the supervisor's decision ({"action": "keep"}
+    or {"action": "replan", "plan": path}); every rank gets it. No answer in time: keep."""
+    decision: list[dict] = [{"action": "keep"}]
     if context.rank == 0:
-        supervision.write_json(
-            supervision.drift_path(options.replan_dir, drift.step), drift.to_dict()
-        )
+        path = supervision.drift_path(options.replan_dir, drift.step)
+        supervision.write_json(path, drift.to_dict())
         print(f"drift: {drift.describe()}; asking the supervisor", flush=True)
         decision[0] = wait_for_decision(options.replan_dir, drift.step)
     dist.broadcast_object_list(decision, src=0)
     return decision[0]
 
 
-def wait_for_decision(folder: str, step: int) -> str:
+def wait_for_decision(folder: str, step: int) -> dict:
     deadline = time.monotonic() + supervision.DECISION_TIMEOUT_S
     path = supervision.decision_path(folder, step)
     while time.monotonic() < deadline:
         answer = supervision.read_json(path)
         if answer is not None:
-            action = answer.get("action") if isinstance(answer, dict) else None
-            return action if action in supervision.REPLAN_ACTIONS else "keep"
+            return answer if isinstance(answer, dict) else {"action": "keep"}
         time.sleep(0.02)
     print(f"no decision on the drift at step {step} in time: keeping the plan", flush=True)
-    return "keep"
+    return {"action": "keep"}
 
 
 def step_entry(plan: Plan, rows: list[RuntimeMeasurement]) -> dict:

@@ -90,7 +90,7 @@ def _add_replan_flags(run) -> None:
         "--replan",
         action="store_true",
         help="supervise the run: checkpoint every --checkpoint-every steps; when a rank drifts "
-        "(CPU ranks: compute timed against the plan) or a device is lost, plan again from "
+        "(its compute timed against the plan) or a device is lost, plan again from "
         "the measured rates, and go on from the same step with the new plan, state resharded",
     )
     replan.add_argument(

@@ -5,32 +5,37 @@ The supervisor launches the plan's ranks on this machine (torch elastic's launch
 process, so it learns how each rank ended) with checkpoints every `--checkpoint-every` steps
 and its run folder for reports (`hexiseq.supervision`). Two things make it re-plan:
 
-- **drift**: on CPU ranks the runtime times every rank's compute against the plan's
-  prediction (`runtime._drift`); when a rank stays `--drift-threshold` times slower than at
-  its start, rank 0 reports it and waits. The supervisor plans again on the cluster as
-  measured (`search.replan`, well under a second) and answers: re-plan when the new plan is
-  predicted `--min-gain` times faster, else keep (the ranks take their present speed as the
-  new start). On "re-plan" the ranks save a checkpoint after that step and exit.
+- **drift**: the runtime times every rank's compute against the plan's prediction
+  (`runtime._drift`; CPU ranks by thread CPU time, GPU ranks by CUDA events); when a rank
+  stays `--drift-threshold` times slower than at its start, rank 0 reports it and waits. The
+  supervisor plans again on the cluster as measured (`search.replan`, well under a second)
+  and answers: re-plan when the new plan is predicted `--min-gain` times faster, else keep
+  (the ranks take their present speed as the new start). On "re-plan" the ranks save a
+  checkpoint after that step and take the new plan over in place (same ranks, work moved):
+  each builds the new plan's model, loads the checkpoint resharded to its new shares
+  (`runtime.checkpoint`) and trains on from the next step, with no restart.
 - **a lost device**: a rank killed outright (by a signal other than the launcher's own
-  SIGTERM: SIGKILL, a segfault) ends the launch; the supervisor plans again without it.
+  SIGTERM: SIGKILL, a segfault) ends the launch; the supervisor plans again without it and
+  launches the new plan on the ranks left, from the newest checkpoint (the steps since it run
+  again on the same tokens).
 
-Then it launches the new plan, which resumes from the newest checkpoint, resharded to the
-new state shares (`runtime.checkpoint`): no step is skipped, and the steps since that
-checkpoint run again on the same tokens. Each re-plan goes to the store (`Store.save_replan`)
-with why, both plans, the predicted gain, and the measured one once the new plan has run.
-Injected faults (`--inject-slowdown`, `--inject-failure`) follow their device across re-plans,
-whatever rank it gets.
+No step is skipped. Each re-plan goes to the store (`Store.save_replan`) with why, both plans,
+the predicted gain, and the measured one once the new plan has run. Injected faults
+(`--inject-slowdown`, `--inject-failure`) follow their device across re-plans, whatever rank it
+gets.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,8 +44,8 @@ from hexiseq.errors import HexiseqError, InputError
 from hexiseq.injections import FailureInjection, SlowdownInjection, check_ranks
 from hexiseq.plan import Plan
 
-MAX_REPLANS = 8
-"""Re-plans one run may make before the supervisor stops (a device that keeps changing)."""
+MAX_LAUNCHES = 9
+"""Launches one run may make (a lost device each) before the supervisor stops."""
 POLL_S = 0.02
 
 
@@ -77,28 +82,30 @@ class Fleet:
         return flags
 
 
-@dataclass
+@dataclass(frozen=True)
 class Taken:
-    """A re-plan the watcher decided on while the ranks trained."""
+    """A re-plan on drift, handed to the ranks while they trained."""
 
-    drift: dict
+    change: Change
     replanned: object  # search.replan.Replanned
-    measured_before_s: float | None
+    step: int
+    """The first step the new plan runs."""
 
 
 @dataclass
 class Watcher:
-    """Answers the ranks' drift reports while they train (a thread of the supervisor)."""
+    """Answers the ranks' drift reports while they train (a thread of the supervisor): plans
+    again on the cluster as measured and, when that is worth it, writes the new plan beside
+    the decision, which the ranks take over in place (same world, work moved)."""
 
     folder: Path
     plan: Plan
     cost: object
     min_gain: float
-    name: str
-    """The name a new plan gets."""
-    taken: Taken | None = None
+    names: Iterator[str]
+    """Names (and file stems) for the plans it makes."""
+    taken: list[Taken] = field(default_factory=list)
     answered: set[str] = field(default_factory=set)
-    error: str | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> threading.Thread:
@@ -126,24 +133,29 @@ class Watcher:
         drift = supervision.read_json(path)
         step = drift["step"]
         factors = {int(rank): factor for rank, factor in drift["factors"].items()}
-        action = "keep"
+        decision = {"action": "keep"}
         try:
-            replanned = replan(self.plan, self.cost, slowdowns=factors, name=self.name)
+            replanned = replan(self.plan, self.cost, slowdowns=factors, name=next(self.names))
         except HexiseqError as error:
-            self.error = f"re-plan after the drift at step {step} failed: {error}"
-            print(f"hexiseq run: {self.error}; keeping the plan", file=sys.stderr)
+            print(f"hexiseq run: re-plan after the drift at step {step} failed: {error}; "
+                  "keeping the plan", file=sys.stderr)  # fmt: skip
         else:
-            gain = replanned.predicted_gain
-            if self.taken is None and replanned.worth_it(self.min_gain):
-                action = "replan"
+            if replanned.worth_it(self.min_gain):
+                plan_path = self.folder / f"{replanned.plan.name}.json"
+                replanned.plan.to_json(plan_path)
+                decision = {"action": "replan", "plan": str(plan_path.resolve())}
+                detail = f"step {step}: {_describe(factors)} slower than at its start"
                 before = measured_step_s(self.folder, self.plan.name, step)
-                self.taken = Taken(drift, replanned, before)
+                change = Change("drift", detail, factors, (), before)
+                self.taken.append(Taken(change, replanned, step + 1))
+                self.plan = replanned.plan
             print(
                 f"hexiseq run: drift at step {step} ({_describe(factors)}); re-planned in "
-                f"{replanned.planning_s:.2f} s, predicted {gain:.2f}x: {action}",
+                f"{replanned.planning_s:.2f} s, predicted {replanned.predicted_gain:.2f}x: "
+                f"{decision['action']}",
                 flush=True,
             )
-        supervision.write_json(supervision.decision_path(self.folder, step), {"action": action})
+        supervision.write_json(supervision.decision_path(self.folder, step), decision)
 
 
 def _describe(factors: dict[int, float]) -> str:
@@ -177,7 +189,7 @@ class LaunchOutcome:
 
 def launch(arguments: list[str], world: int, launch_id: str) -> LaunchOutcome:
     """Run the ranks (`python -m hexiseq.runtime.train arguments`) on this machine until they
-    end, and say how: 0, `EXIT_REPLAN` (every rank), lost ranks, or another exit code."""
+    end, and say how: 0, lost ranks, or another exit code."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -209,65 +221,73 @@ def outcome_of(exit_codes: dict[int, int]) -> LaunchOutcome:
     lost = tuple(sorted(r for r, c in exit_codes.items() if c < 0 and c not in launcher_signals))
     if lost:
         return LaunchOutcome(1, lost)
-    codes = set(exit_codes.values())
-    if codes == {supervision.EXIT_REPLAN}:
-        return LaunchOutcome(supervision.EXIT_REPLAN)
     positive = [c for c in exit_codes.values() if c > 0]
     return LaunchOutcome(max(positive) if positive else 1)
 
 
 def supervise(args: argparse.Namespace, plan: Plan, launch_id: str) -> int:
     """The supervised run (see the module docstring); returns the exit code."""
-    folder = Path(args.run_dir or f"hexiseq-run-{launch_id[:8]}")
-    folder.mkdir(parents=True, exist_ok=True)
-    problem = check_ranks([*args.inject_slowdown, *args.inject_failure], plan.cluster.world_size)
-    if problem is not None:
-        raise InputError(problem)
+    folder = run_folder(args, plan, launch_id)
     cost = replan_cost_model(args, plan)
     fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
+    names = (f"{plan.name}-replan{n}" for n in itertools.count(1))
     print(f"hexiseq run: supervising '{plan.name}'; run folder {folder}", flush=True)
-    running: int | None = None  # the store id of the re-plan whose plan runs now
-    first_name = plan.name
-    for segment in range(MAX_REPLANS + 1):
-        plan_path = folder / f"plan-{segment}.json"
-        plan.to_json(plan_path)
-        new_name = f"{first_name}-replan{segment + 1}"
-        watcher = Watcher(folder, plan, cost, args.min_gain, new_name)
-        thread = watcher.start() if watches_drift(args) else None
-        arguments = segment_arguments(args, plan_path, folder, fleet, resume=segment > 0)
+    plan.to_json(folder / f"{plan.name}.json")
+    lost_replans: list[tuple[int | None, str]] = []  # measured once their plan has run
+    for launch_index in range(MAX_LAUNCHES):
+        watcher = Watcher(folder, plan, cost, args.min_gain, names)
+        thread = watcher.start()
+        plan_path = folder / f"{plan.name}.json"
+        arguments = segment_arguments(args, plan_path, folder, fleet, resume=launch_index > 0)
         try:
             outcome = launch(arguments, plan.cluster.world_size, launch_id)
         finally:
-            if thread is not None:
-                watcher.stop(thread)
-        record_measured_after(args, running, folder, plan.name)
-        if outcome.code == 0:
-            return 0
-        if outcome.code == supervision.EXIT_REPLAN and watcher.taken is not None:
-            taken = watcher.taken
-            factors = {int(r): f for r, f in taken.drift["factors"].items()}
-            detail = f"step {taken.drift['step']}: {_describe(factors)} slower than at its start"
-            change = Change("drift", detail, factors, (), taken.measured_before_s)
-            replanned = taken.replanned
-        elif outcome.lost:
-            fail_unended(args, launch_id, f"rank(s) {_ranks(outcome.lost)} lost (killed)")
-            replanned = replan_lost(plan, cost, outcome.lost, new_name)
-            detail = ", ".join(_device(plan, r) for r in outcome.lost) + " lost"
-            change = Change("lost", detail, {}, outcome.lost, None)
-        else:
+            watcher.stop(thread)
+        record_measured_after(args, lost_replans, folder)
+        for taken in watcher.taken:  # drift re-plans the ranks took over in place
+            record_replan(args, launch_id, plan, taken.replanned, taken.change, taken.step, folder)
+            plan = taken.replanned.plan
+        if not outcome.lost:
             return outcome.code
+        fail_unended(args, launch_id, f"rank(s) {_ranks(outcome.lost)} lost (killed)")
+        replanned = replan_lost(plan, cost, outcome.lost, next(names))
+        detail = ", ".join(_device(plan, r) for r in outcome.lost) + " lost"
         print(
-            f"hexiseq run: re-planned ({change.reason}: {change.detail}) -> "
-            f"'{replanned.plan.name}' on {replanned.plan.cluster.world_size} ranks (searched in "
-            f"{replanned.planning_s:.2f} s)",
+            f"hexiseq run: re-planned ({detail}) -> '{replanned.plan.name}' on "
+            f"{replanned.plan.cluster.world_size} ranks "
+            f"(searched in {replanned.planning_s:.2f} s)",
             flush=True,
         )
-        step = resume_step(folder)
-        running = record_replan(args, launch_id, plan, replanned, change, step)
+        change = Change("lost", detail, {}, outcome.lost, None)
+        replanned.plan.to_json(folder / f"{replanned.plan.name}.json")
+        replan_id = record_replan(
+            args, launch_id, plan, replanned, change, resume_step(folder), None
+        )
+        lost_replans.append((replan_id, replanned.plan.name))
         fleet.renumber(replanned.rank_map)
         plan = replanned.plan
-    print(f"hexiseq run: stopped after {MAX_REPLANS} re-plans", file=sys.stderr)
+    print(f"hexiseq run: stopped after {MAX_LAUNCHES} launches", file=sys.stderr)
     return 1
+
+
+def run_folder(args: argparse.Namespace, plan: Plan, launch_id: str) -> Path:
+    """The run's folder (made), after the checks that need no launch."""
+    if args.state_sharding == "replicated":
+        raise InputError(
+            "--replan checkpoints and reshards sharded model states: it cannot go with "
+            "--state-sharding replicated"
+        )
+    problem = check_ranks([*args.inject_slowdown, *args.inject_failure], plan.cluster.world_size)
+    if problem is not None:
+        raise InputError(problem)
+    folder = Path(args.run_dir or f"hexiseq-run-{launch_id[:8]}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InputError(
+            f"--run-dir {folder}: cannot make the run folder ({error.strerror})"
+        ) from None
+    return folder
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -292,17 +312,6 @@ def _device(plan: Plan, rank: int) -> str:
     return f"rank {rank} ({device.node} #{device.local_rank}, {device.gpu})"
 
 
-def watches_drift(args: argparse.Namespace) -> bool:
-    """Drift is timed on CPU ranks only (`runtime.train`); CUDA runs re-plan on losses."""
-    return args.device == "cpu" or (args.device == "auto" and not _cuda_available())
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 def segment_arguments(
     args: argparse.Namespace, plan_path: Path, folder: Path, fleet: Fleet, resume: bool
 ) -> list[str]:
@@ -318,9 +327,9 @@ def segment_arguments(
         *fleet.injections(),
         *(["--no-store"] if args.no_store else []),
         *(["--resume"] if resume else []),
+        f"--replan-dir={folder}",
+        f"--drift-threshold={args.drift_threshold}",
     ]
-    if watches_drift(args):
-        arguments += [f"--replan-dir={folder}", f"--drift-threshold={args.drift_threshold}"]
     return arguments
 
 
@@ -372,9 +381,11 @@ def record_replan(
     replanned,
     change: Change,
     step: int,
+    folder: Path | None,
 ) -> int | None:
-    """The re-plan's row in the store (None: no store, or it failed, which is said). A plan
-    that lost a device has no step time on what is left: its own prediction stands in."""
+    """The re-plan's row in the store (None: no store, or it failed, which is said), with
+    the new plan's measured step time from `folder`'s step log when it has run already. A
+    plan that lost a device has no step time on what is left: its own prediction stands in."""
     if args.no_store:
         return None
     from hexiseq.store import Replan, Store
@@ -394,7 +405,9 @@ def record_replan(
             predicted_new_step_s=replanned.predicted_new_step_s,
             planning_s=replanned.planning_s,
             measured_before_step_s=change.measured_before_s,
-            measured_after_step_s=None,
+            measured_after_step_s=None
+            if folder is None
+            else measured_after_s(folder, replanned.plan.name),
         )
         with Store.open(args.store) as store:
             return store.save_replan(record)
@@ -404,20 +417,23 @@ def record_replan(
 
 
 def record_measured_after(
-    args: argparse.Namespace, replan_id: int | None, folder: Path, plan_name: str
+    args: argparse.Namespace, replans: list[tuple[int | None, str]], folder: Path
 ) -> None:
-    """Once a re-planned plan has run, its measured step time goes to its re-plan's row."""
-    if replan_id is None or args.no_store:
-        return
-    after = measured_after_s(folder, plan_name)
-    if after is None:
+    """Each re-plan's measured step time once its plan has run (the re-plans on a lost
+    device, recorded before their plan ran); done ones leave the list."""
+    if args.no_store:
         return
     from hexiseq.store import Store
 
-    try:
-        with Store.open(args.store) as store:
-            store.set_replan_measured_after(replan_id, after)
-    except HexiseqError as error:
-        print(
-            f"hexiseq run: could not record the re-plan's measured gain: {error}", file=sys.stderr
-        )
+    for entry in list(replans):
+        replan_id, name = entry
+        after = measured_after_s(folder, name)
+        if replan_id is None or after is None:
+            continue
+        try:
+            with Store.open(args.store) as store:
+                store.set_replan_measured_after(replan_id, after)
+        except HexiseqError as error:
+            print(f"hexiseq run: could not record a re-plan's measured step: {error}",
+                  file=sys.stderr)  # fmt: skip
+        replans.remove(entry)

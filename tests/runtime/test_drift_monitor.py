@@ -66,3 +66,53 @@ def test_rebase_takes_present_speeds_as_the_start():
 def test_bad_monitors(predicted, slowed, threshold, message):
     with pytest.raises(ValueError, match=message):
         DriftMonitor(predicted, slowed, threshold)
+
+
+class FakeEvent:
+    """A CUDA event stand-in: `record` reads a clock the test moves."""
+
+    clock_ms = 0.0
+
+    def record(self) -> None:
+        self.at_ms = FakeEvent.clock_ms
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.at_ms - self.at_ms
+
+
+def test_gpu_phases_time_the_union_of_phases_minus_the_waits_inside():
+    import torch
+
+    from hexiseq.runtime._emulation import ComputePadding, GpuPhases, communication_phase
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    padding = ComputePadding(model, 1.0, timed=True, gpu=GpuPhases(event=FakeEvent))
+    try:
+        FakeEvent.clock_ms = 0.0
+        padding._start()  # two overlapping phases: one union of 10 ms
+        FakeEvent.clock_ms = 4.0
+        padding._start()
+        with communication_phase():  # the stream waited 3 ms on a collective
+            FakeEvent.clock_ms = 7.0
+        FakeEvent.clock_ms = 8.0
+        padding._end()
+        FakeEvent.clock_ms = 10.0
+        padding._end()
+        FakeEvent.clock_ms = 50.0  # not in a phase
+        padding._start()
+        FakeEvent.clock_ms = 52.0
+        padding._end()
+        assert padding.device_s == 0.0  # nothing read before the step has finished
+        padding.settle()
+        assert padding.device_s == pytest.approx((10 - 3 + 2) / 1e3)
+        padding.settle()  # read once
+        assert padding.device_s == pytest.approx(9e-3)
+    finally:
+        padding.remove()
+
+
+def test_a_slowdown_that_begins_inside_the_baseline_window_is_seen_in_full():
+    monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
+    rows = [[1.0, 2.0, 4.0]] * 2 + [[3.0, 2.0, 4.0]] * (BASELINE_STEPS - 1 + PATIENCE)
+    (drift,) = feed(monitor, rows).values()
+    assert drift.factors == {0: pytest.approx(3.0)}

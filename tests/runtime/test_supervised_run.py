@@ -30,9 +30,12 @@ def plan_path(tmp_path_factory) -> Path:
 
 
 def supervised(plan: Path, folder: Path, *flags: str) -> subprocess.CompletedProcess:
+    run_dir = (
+        [] if any(f.startswith("--run-dir") for f in flags) else ["--run-dir", str(folder / "run")]
+    )
     return subprocess.run(
         [sys.executable, "-m", "hexiseq.cli", "run", "--plan", str(plan), "--steps", str(STEPS),
-         "--device", "cpu", "--replan", "--run-dir", str(folder / "run"),
+         "--device", "cpu", "--replan", *run_dir,
          "--store", f"sqlite:///{folder / 'store.db'}", *flags],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
@@ -115,6 +118,11 @@ def test_a_lost_rank_is_planned_around_with_the_same_losses(plan_path, reference
         (["--inject-failure=x@1"], "RANK must be a whole number"),
         (["--node-rank=0"], "--replan supervises a run on this machine"),
         (["--min-gain=1"], "must be a number > 1"),
+        (["--state-sharding=replicated"], "cannot go with --state-sharding replicated"),
+        (
+            ["--run-dir=/proc/version/run"],
+            "--run-dir /proc/version/run: cannot make the run folder",
+        ),
     ],
 )
 def test_bad_supervision_flags_are_one_line(plan_path, tmp_path, flags, message):
