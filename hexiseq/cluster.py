@@ -299,10 +299,13 @@ class Cluster:
         nodes, first = [], 0
         for node in self.nodes:
             old = [node.device_slowdown(local) for local in range(node.count)]
-            new = [
-                min(max(slow * factors.get(first + local, 1.0), low), high)
-                for local, slow in enumerate(old)
-            ]
+            new = [slow * factors.get(first + local, 1.0) for local, slow in enumerate(old)]
+            for local, value in enumerate(new):
+                if not low <= value <= high:
+                    raise InputError(
+                        f"measured slowdown of rank {first + local} would be {value:g}: "
+                        f"allowed {low:g}..{high:g} (the measurement, not the device, is wrong)"
+                    )
             measured = None if all(f == 1.0 for f in new) else tuple(new)
             nodes.append(replace(node, measured_slowdown=measured))
             first += node.count

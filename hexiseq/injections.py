@@ -10,7 +10,9 @@ ranks numbered again) and the runtime (which applies them) read them.
 
 from __future__ import annotations
 
+import argparse
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MAX_INJECTED_SLOWDOWN = 100.0
@@ -18,6 +20,8 @@ MAX_INJECTED_SLOWDOWN = 100.0
 
 @dataclass(frozen=True, order=True)
 class SlowdownInjection:
+    """Rank `rank`'s device `factor` times slower from step `step` on."""
+
     rank: int
     factor: float
     step: int
@@ -28,6 +32,8 @@ class SlowdownInjection:
 
 @dataclass(frozen=True, order=True)
 class FailureInjection:
+    """Rank `rank` killed when step `step` begins."""
+
     rank: int
     step: int
 
@@ -59,7 +65,22 @@ def parse_failure(text: str) -> FailureInjection:
     return FailureInjection(_whole(rank, "RANK", text), _whole(step, "STEP", text))
 
 
-def check_ranks(injections, world_size: int) -> str | None:
+def argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """`parse` as an argparse type: its ValueError becomes the one-line usage error."""
+
+    def parsed(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    parsed.__name__ = parse.__name__.removeprefix("parse_")
+    return parsed
+
+
+def check_ranks(
+    injections: Iterable[SlowdownInjection | FailureInjection], world_size: int
+) -> str | None:
     """A message naming the first injection whose rank the run does not have, or None."""
     for injection in injections:
         if not 0 <= injection.rank < world_size:

@@ -85,7 +85,9 @@ class DriftMonitor:
             window = self._ratios[1:]  # the first step warms up
             self._baseline = tuple(min(col) for col in zip(*window, strict=True))
             return None
-        drift = tuple(r / b for r, b in zip(ratios, self._baseline, strict=True))
+        drift = tuple(  # a rank with no compute timed at the start: no drift to see
+            r / b if b > 0 else 1.0 for r, b in zip(ratios, self._baseline, strict=True)
+        )
         changed = {}
         for rank, value in enumerate(drift):
             moved = value >= self.threshold or (self.slowed[rank] and value <= 1 / self.threshold)

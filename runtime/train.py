@@ -60,6 +60,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,7 @@ from hexiseq.errors import HexiseqError, InputError
 from hexiseq.injections import (
     FailureInjection,
     SlowdownInjection,
+    argument_type,
     check_ranks,
     parse_failure,
     parse_slowdown,
@@ -265,7 +267,7 @@ def _add_supervision_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--inject-slowdown",
-        type=_injection(parse_slowdown),
+        type=argument_type(parse_slowdown),
         action="append",
         default=[],
         metavar="RANK:FACTOR@STEP",
@@ -273,22 +275,12 @@ def _add_supervision_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--inject-failure",
-        type=_injection(parse_failure),
+        type=argument_type(parse_failure),
         action="append",
         default=[],
         metavar="RANK@STEP",
         help="kill rank RANK (SIGKILL, a lost device) when step STEP begins",
     )
-
-
-def _injection(parse):
-    def parsed(text: str):
-        try:
-            return parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    return parsed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -306,6 +298,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     context = init_rank(plan, options)
     try:
         return train(plan, options, context)
+    except HexiseqError as error:  # a bad plan or decision handed over mid-run
+        print(f"hexiseq.runtime.train: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     finally:
         dist.destroy_process_group()
 
@@ -332,6 +327,11 @@ def check_rank_start(plan: Plan, options: TrainOptions) -> None:
     error = rank_start_error(plan, os.environ)
     if error is None:
         error = check_ranks([*options.slowdowns, *options.failures], plan.cluster.world_size)
+    if error is None and options.slowdowns and uses_cuda(options):
+        error = (
+            "--inject-slowdown emulates a slower device by sleeping, on CPU ranks only (a GPU's "
+            "kernel timer would not see the sleep); give --device cpu"
+        )
     if error is None and uses_cuda(options):
         error = rank_start_error(plan, os.environ, found_cuda_device(local_rank_of(os.environ)))
     if error is not None:
@@ -415,7 +415,10 @@ def take_over(handover: Handover, context: RankContext) -> Plan:
             f"re-plan {handover.plan_path} is for {plan.cluster.world_size} ranks; this run has "
             f"{context.world_size}"
         )
+    old = context.mesh
     context.mesh = join_mesh(plan, context.rank)
+    if old is not None and old.group is not None:  # the old replica's group: not used again
+        dist.destroy_process_group(old.group)
     return plan
 
 
@@ -444,10 +447,12 @@ def run_steps(
     model = build_plan_model(plan, context, options.seed, sharded)
     optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
     if first_step > 0:
-        from hexiseq.runtime.checkpoint import latest_checkpoint, load_checkpoint
+        from hexiseq.runtime.checkpoint import checkpoint_name, load_checkpoint
 
-        _, path = latest_checkpoint(options.checkpoint_dir)
-        load_checkpoint(path, model, optimizer)
+        path = Path(options.checkpoint_dir) / checkpoint_name(first_step)
+        loaded = load_checkpoint(path, model, optimizer)
+        if loaded != first_step:
+            raise InputError(f"checkpoint {path} is of step {loaded}, not {first_step}")
     gpu = GpuPhases() if options.watches_drift and context.device.type == "cuda" else None
     padding = ComputePadding(model, context.slowdown, timed=options.watches_drift, gpu=gpu)
     try:
@@ -542,27 +547,37 @@ def save_plan_checkpoint(
 
 def ask_supervisor(options: TrainOptions, context: RankContext, drift: Drift) -> dict:
     """Rank 0 reports the drift and waits for the supervisor's decision ({"action": "keep"}
-    or {"action": "replan", "plan": path}); every rank gets it. No answer in time: keep."""
+    or {"action": "replan", "plan": path}); every rank gets it, or the InputError a malformed
+    one is (raised on every rank, so none waits on the others)."""
     decision: list[dict] = [{"action": "keep"}]
     if context.rank == 0:
         path = supervision.drift_path(options.replan_dir, drift.step)
         supervision.write_json(path, drift.to_dict())
         print(f"drift: {drift.describe()}; asking the supervisor", flush=True)
-        decision[0] = wait_for_decision(options.replan_dir, drift.step)
+        try:
+            decision[0] = wait_for_decision(options.replan_dir, drift.step)
+        except InputError as error:
+            decision[0] = {"action": "error", "why": str(error)}
     dist.broadcast_object_list(decision, src=0)
+    if decision[0]["action"] == "error":
+        raise InputError(decision[0]["why"])
     return decision[0]
 
 
 def wait_for_decision(folder: str, step: int) -> dict:
+    """The supervisor's decision on the drift of `step`; none within `DECISION_TIMEOUT_S`:
+    rank 0 decides to keep the plan, unless the supervisor's answer lands first."""
     deadline = time.monotonic() + supervision.DECISION_TIMEOUT_S
     path = supervision.decision_path(folder, step)
     while time.monotonic() < deadline:
-        answer = supervision.read_json(path)
+        answer = supervision.read_decision(path)
         if answer is not None:
-            return answer if isinstance(answer, dict) else {"action": "keep"}
+            return answer
         time.sleep(0.02)
-    print(f"no decision on the drift at step {step} in time: keeping the plan", flush=True)
-    return {"action": "keep"}
+    if supervision.claim_json(path, {"action": "keep"}):
+        print(f"no decision on the drift at step {step} in time: keeping the plan", flush=True)
+        return {"action": "keep"}
+    return supervision.read_decision(path)
 
 
 def step_entry(plan: Plan, rows: list[RuntimeMeasurement]) -> dict:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel.base import CostModel
-from hexiseq.errors import InfeasibleError, InputError
+from hexiseq.errors import InfeasibleError
 from hexiseq.plan import Plan
 from hexiseq.search.api import plan_search
 from hexiseq.search.predict import predict
@@ -61,8 +61,9 @@ def replan(
     name: str | None = None,
 ) -> Replanned:
     """Plan `plan`'s model and step again on its cluster as measured: rank r `slowdowns[r]`
-    times slower than the plan assumed, the `lost` ranks gone. InputError when nothing fits
-    any more (the lost devices held memory the model needs), naming what is missing."""
+    times slower than the plan assumed, the `lost` ranks gone. InfeasibleError naming what
+    is missing when nothing fits any more (the lost devices held memory the model needs);
+    InputError for a rank the cluster does not have."""
     lost = sorted(set(lost))
     changed = plan.cluster.with_measured_slowdowns(dict(slowdowns or {}))
     old_step_s = None if lost else _predicted_step_s(plan, changed, cost_model)
@@ -80,7 +81,8 @@ def replan(
             precision="fp32" if plan.train.compute_dtype_bytes == 4 else "bf16",
         )
     except InfeasibleError as error:
-        raise InputError(f"re-plan of '{plan.name}' on what is left: {error}") from None
+        message = f"re-plan of '{plan.name}' on what is left: {error}"
+        raise InfeasibleError(message, error.missing_bytes) from None
     planning_s = time.perf_counter() - began
     new = dataclasses.replace(result.best, name=name or f"{plan.name}-replanned")
     kept = [r for r in range(plan.cluster.world_size) if r not in set(lost)]

@@ -18,8 +18,9 @@ RUN_HINT = (
     "`hexiseq run --plan plan.json --steps 5 --store <this store's URL>`."
 )
 REPLAN_HINT = (
-    "No re-plans in the store. `hexiseq run` re-plans when a rank runs slower than predicted "
-    "or a device is lost, and records each re-plan here with its predicted and measured gain."
+    "No re-plans in the store. `hexiseq run --replan` re-plans when a rank runs slower than "
+    "at its start or a device is lost, and records each re-plan here with its predicted and "
+    "measured gain."
 )
 ALL_LAUNCHES = "all launches"
 STUDY_HINT = (

@@ -99,14 +99,15 @@ def replan_gain_figure(frame: pd.DataFrame) -> go.Figure:
     labels = [f"#{r} step {s} ({why})" for r, s, why in zip(order["replan"], order["step"],
                                                            order["reason"])]  # fmt: skip
     measured = order["measured_gain"].astype(float)
+    predicted = order["predicted_gain"].astype(float)
     figure = go.Figure(
         [
             go.Bar(
                 x=labels,
-                y=order["predicted_gain"].astype(float),
+                y=predicted.fillna(0.0),
                 name="predicted gain",
                 marker_color=PREDICTED_COLOR,
-                text=[f"{gain:.2f}x" for gain in order["predicted_gain"]],
+                text=["old plan lost a device" if pd.isna(g) else f"{g:.2f}x" for g in predicted],
                 textposition="outside",
             ),
             go.Bar(

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hexiseq.cli.arguments import positive_int, seed
 from hexiseq.errors import InputError
-from hexiseq.injections import parse_failure, parse_slowdown
+from hexiseq.injections import argument_type, parse_failure, parse_slowdown
 from hexiseq.store import LAUNCH_ID_ENV, STORE_URL_ENV, STORE_URL_HELP, child_environment
 from hexiseq.supervision import DEFAULT_DRIFT_THRESHOLD, MIN_GAIN
 
@@ -102,7 +102,6 @@ def _add_replan_flags(run) -> None:
     replan.add_argument(
         "--checkpoint-every",
         type=positive_int,
-        default=1,
         metavar="K",
         help="steps between checkpoints of a --replan run (1); a lost device costs the steps "
         "since the last one, run again",
@@ -110,7 +109,6 @@ def _add_replan_flags(run) -> None:
     replan.add_argument(
         "--drift-threshold",
         type=_above_one,
-        default=DEFAULT_DRIFT_THRESHOLD,
         metavar="X",
         help=f"a rank drifted when its compute stays X times its start "
         f"({DEFAULT_DRIFT_THRESHOLD})",
@@ -118,20 +116,18 @@ def _add_replan_flags(run) -> None:
     replan.add_argument(
         "--min-gain",
         type=_above_one,
-        default=MIN_GAIN,
         metavar="X",
         help=f"re-plan on drift only when the new plan is predicted X times faster ({MIN_GAIN})",
     )
     replan.add_argument(
         "--cost-model",
         choices=("auto", "fitted", "datasheet"),
-        default="auto",
         help="cost model of the re-plans: auto (the store's fit where it has one, else the "
         "datasheet), fitted, datasheet",
     )
     replan.add_argument(
         "--inject-slowdown",
-        type=_injection(parse_slowdown),
+        type=argument_type(parse_slowdown),
         action="append",
         default=[],
         metavar="RANK:FACTOR@STEP",
@@ -139,12 +135,38 @@ def _add_replan_flags(run) -> None:
     )
     replan.add_argument(
         "--inject-failure",
-        type=_injection(parse_failure),
+        type=argument_type(parse_failure),
         action="append",
         default=[],
         metavar="RANK@STEP",
         help="kill rank RANK outright (SIGKILL, a lost device) when step STEP begins",
     )
+
+
+REPLAN_DEFAULTS = {
+    "run_dir": None,
+    "checkpoint_every": 1,
+    "drift_threshold": DEFAULT_DRIFT_THRESHOLD,
+    "min_gain": MIN_GAIN,
+    "cost_model": "auto",
+}
+"""The --replan options and their defaults (given without --replan: an error, not ignored)."""
+
+
+def replan_options(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` with the --replan options' defaults filled in; InputError for one of them
+    given without --replan."""
+    given = [name for name in REPLAN_DEFAULTS if getattr(args, name, None) is not None]
+    if not args.replan:
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise InputError(f"{flags}: only with --replan (a supervised run)")
+        return args
+    filled = {name: getattr(args, name, None) for name in REPLAN_DEFAULTS}
+    filled = {
+        n: default if filled[n] is None else filled[n] for n, default in REPLAN_DEFAULTS.items()
+    }
+    return argparse.Namespace(**{**vars(args), **filled})
 
 
 def _above_one(text: str) -> float:
@@ -155,17 +177,6 @@ def _above_one(text: str) -> float:
     if not (value > 1 and value < float("inf")):
         raise argparse.ArgumentTypeError(f"must be a number > 1 (got {text})")
     return value
-
-
-def _injection(parse):
-    def parsed(text: str):
-        try:
-            return parse(text)
-        except ValueError as error:
-            raise argparse.ArgumentTypeError(str(error)) from None
-
-    parsed.__name__ = parse.__name__.removeprefix("parse_")
-    return parsed
 
 
 @dataclass(frozen=True)
@@ -267,8 +278,13 @@ def _rendezvous(args: argparse.Namespace, plan) -> list[str]:
 
 
 def _train_flags(args: argparse.Namespace) -> list[str]:
+    return train_flags(args, args.plan)
+
+
+def train_flags(args: argparse.Namespace, plan_path) -> list[str]:
+    """The runtime's flags for `hexiseq run`'s own (`plan_path`: the plan file it runs)."""
     return [
-        f"--plan={args.plan}",
+        f"--plan={plan_path}",
         f"--steps={args.steps}",
         f"--seed={args.seed}",
         f"--device={args.device}",
@@ -325,6 +341,7 @@ def run_run(args: argparse.Namespace) -> int:
 
     from hexiseq.plan import Plan
 
+    args = replan_options(args)
     plan = Plan.from_json(args.plan)
     if args.node_rank is not None:
         node_share(plan, args.node_rank)  # a node the plan has

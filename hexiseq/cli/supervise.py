@@ -28,8 +28,10 @@ gets.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
+import signal
 import statistics
 import sys
 import threading
@@ -38,15 +40,22 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hexiseq import supervision
-from hexiseq.errors import HexiseqError, InputError
+from hexiseq.errors import HexiseqError, InfeasibleError, InputError
 from hexiseq.injections import FailureInjection, SlowdownInjection, check_ranks
 from hexiseq.plan import Plan
+
+if TYPE_CHECKING:
+    from hexiseq.costmodel.base import CostModel
+    from hexiseq.search.replan import Replanned
 
 MAX_LAUNCHES = 9
 """Launches one run may make (a lost device each) before the supervisor stops."""
 POLL_S = 0.02
+LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""How the launcher stops the ranks it gives up on: not a lost device."""
 
 
 @dataclass
@@ -60,12 +69,13 @@ class Fleet:
 
     def renumber(self, rank_map: dict[int, int]) -> None:
         """The ranks of a new plan: present rank r became `rank_map[r]` (lost ones: none)."""
-        moved = [None] * len(rank_map)
+        moved = [0] * len(rank_map)
         for old, new in rank_map.items():
             moved[new] = self.original[old]
         self.original = moved
 
     def present(self, original: int) -> int | None:
+        """The present rank of original rank `original` (None: lost)."""
         return self.original.index(original) if original in self.original else None
 
     def injections(self) -> list[str]:
@@ -74,12 +84,32 @@ class Fleet:
         for s in self.slowdowns:
             rank = self.present(s.rank)
             if rank is not None:
-                flags.append(f"--inject-slowdown={rank}:{s.factor:g}@{s.step}")
+                flags.append(f"--inject-slowdown={rank}:{s.factor!r}@{s.step}")
         for f in self.failures:
             rank = self.present(f.rank)
             if rank is not None:
                 flags.append(f"--inject-failure={rank}@{f.step}")
         return flags
+
+    def visible_devices(self, environ: dict[str, str]) -> str | None:
+        """`CUDA_VISIBLE_DEVICES` for the devices still present (local rank r is the GPU of
+        original rank `original[r]`); None while none was lost."""
+        if self.original == list(range(len(self.original))):
+            return None
+        listed = environ.get("CUDA_VISIBLE_DEVICES")
+        visible = listed.split(",") if listed else [str(i) for i in range(max(self.original) + 1)]
+        return ",".join(visible[o] for o in self.original)
+
+
+@dataclass(frozen=True)
+class Change:
+    """Why the supervisor re-planned."""
+
+    reason: str  # "drift" or "lost"
+    detail: str
+    factors: dict[int, float]  # drift: old rank -> measured factor
+    lost: tuple[int, ...]
+    measured_before_s: float | None
 
 
 @dataclass(frozen=True)
@@ -87,7 +117,8 @@ class Taken:
     """A re-plan on drift, handed to the ranks while they trained."""
 
     change: Change
-    replanned: object  # search.replan.Replanned
+    old: Plan
+    replanned: Replanned
     step: int
     """The first step the new plan runs."""
 
@@ -96,21 +127,24 @@ class Taken:
 class Watcher:
     """Answers the ranks' drift reports while they train (a thread of the supervisor): plans
     again on the cluster as measured and, when that is worth it, writes the new plan beside
-    the decision, which the ranks take over in place (same world, work moved)."""
+    the decision, which the ranks take over in place (same world, work moved). `plan` is the
+    plan as measured so far: a drift that is kept still counts in the next re-plan."""
 
     folder: Path
+    """The launch's folder the ranks report to."""
+    plans: Path
+    """Where new plans are written."""
     plan: Plan
-    cost: object
+    cost: CostModel
     min_gain: float
     names: Iterator[str]
-    """Names (and file stems) for the plans it makes."""
+    """Names for the plans it makes."""
     taken: list[Taken] = field(default_factory=list)
     answered: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> threading.Thread:
-        """Watch from now on: reports already in the folder belong to earlier launches."""
-        self.answered.update(path.name for path in self.folder.glob("drift-*.json"))
+        self._stop.clear()
         thread = threading.Thread(target=self._run, name="hexiseq-drift-watcher", daemon=True)
         thread.start()
         return thread
@@ -124,42 +158,56 @@ class Watcher:
             for path in sorted(self.folder.glob("drift-*.json")):
                 if path.name not in self.answered:
                     self.answered.add(path.name)
-                    self._answer(path)
+                    self._answer_safely(path)
             time.sleep(POLL_S)
+
+    def _answer_safely(self, path: Path) -> None:
+        """Answer a report; whatever goes wrong, the ranks get "keep" rather than a wait."""
+        try:
+            self._answer(path)
+        except Exception as error:  # the thread must live on: the ranks wait for an answer
+            print(f"hexiseq run: could not re-plan after {path.name} ({type(error).__name__}: "
+                  f"{error}); keeping the plan", file=sys.stderr)  # fmt: skip
+            step = int(path.stem.removeprefix("drift-"))
+            supervision.claim_json(
+                supervision.decision_path(self.folder, step), {"action": "keep"}
+            )
 
     def _answer(self, path: Path) -> None:
         from hexiseq.search.replan import replan
 
         drift = supervision.read_json(path)
-        step = drift["step"]
-        factors = {int(rank): factor for rank, factor in drift["factors"].items()}
+        step = int(drift["step"])
+        factors = {int(rank): float(factor) for rank, factor in drift["factors"].items()}
+        replanned = replan(self.plan, self.cost, slowdowns=factors, name=next(self.names))
         decision = {"action": "keep"}
-        try:
-            replanned = replan(self.plan, self.cost, slowdowns=factors, name=next(self.names))
-        except HexiseqError as error:
-            print(f"hexiseq run: re-plan after the drift at step {step} failed: {error}; "
-                  "keeping the plan", file=sys.stderr)  # fmt: skip
-        else:
-            if replanned.worth_it(self.min_gain):
-                plan_path = self.folder / f"{replanned.plan.name}.json"
-                replanned.plan.to_json(plan_path)
-                decision = {"action": "replan", "plan": str(plan_path.resolve())}
-                detail = f"step {step}: {_describe(factors)} slower than at its start"
-                before = measured_step_s(self.folder, self.plan.name, step)
-                change = Change("drift", detail, factors, (), before)
-                self.taken.append(Taken(change, replanned, step + 1))
-                self.plan = replanned.plan
-            print(
-                f"hexiseq run: drift at step {step} ({_describe(factors)}); re-planned in "
-                f"{replanned.planning_s:.2f} s, predicted {replanned.predicted_gain:.2f}x: "
-                f"{decision['action']}",
-                flush=True,
-            )
-        supervision.write_json(supervision.decision_path(self.folder, step), decision)
+        if replanned.worth_it(self.min_gain):
+            plan_path = self.plans / f"plan-{len(list(self.plans.glob('plan-*.json')))}.json"
+            replanned.plan.to_json(plan_path)
+            decision = {"action": "replan", "plan": str(plan_path.resolve())}
+        if not supervision.claim_json(supervision.decision_path(self.folder, step), decision):
+            return  # rank 0 gave up waiting and kept the plan
+        print(
+            f"hexiseq run: drift at step {step} ({_describe(factors)}); re-planned in "
+            f"{replanned.planning_s:.2f} s, predicted {replanned.predicted_gain:.2f}x: "
+            f"{decision['action']}",
+            flush=True,
+        )
+        if decision["action"] == "keep":  # the ranks run on as measured: so does the plan
+            measured = self.plan.cluster.with_measured_slowdowns(factors)
+            self.plan = dataclasses.replace(self.plan, cluster=measured)
+            return
+        detail = f"step {step}: {_describe(factors)} than at its start"
+        before = measured_step_s(self.folder, self.plan.name, step)
+        change = Change("drift", detail, factors, (), before)
+        self.taken.append(Taken(change, self.plan, replanned, step + 1))
+        self.plan = replanned.plan
 
 
 def _describe(factors: dict[int, float]) -> str:
-    return ", ".join(f"rank {r} {f:.2f}x" for r, f in sorted(factors.items()))
+    return ", ".join(
+        f"rank {r} {f:.2f}x {'slower' if f >= 1 else 'faster'}" for r, f in sorted(factors.items())
+    )
 
 
 def measured_step_s(folder: Path, plan_name: str, last_step: int, count: int = 2) -> float | None:
@@ -178,6 +226,11 @@ def measured_after_s(folder: Path, plan_name: str) -> float | None:
         e["step_time_s"] for e in supervision.read_steps(folder) if e.get("plan") == plan_name
     ]
     return statistics.median(times[1:]) if len(times) > 1 else None
+
+
+def ran(folder: Path, plan_name: str) -> bool:
+    """Whether a step of `plan_name` is in the run's step logs."""
+    return any(entry.get("plan") == plan_name for entry in supervision.read_steps(folder))
 
 
 @dataclass(frozen=True)
@@ -214,11 +267,10 @@ def launch(arguments: list[str], world: int, launch_id: str) -> LaunchOutcome:
 
 
 def outcome_of(exit_codes: dict[int, int]) -> LaunchOutcome:
-    """How a launch ended from its failed ranks' exit codes (negative: killed by signal -c)."""
-    import signal
-
-    launcher_signals = {-signal.SIGTERM, -signal.SIGINT}
-    lost = tuple(sorted(r for r, c in exit_codes.items() if c < 0 and c not in launcher_signals))
+    """How a launch ended from its failed ranks' exit codes (negative: killed by signal -c):
+    ranks killed by a signal other than the launcher's are lost devices."""
+    stopped = {-int(s) for s in LAUNCHER_SIGNALS}
+    lost = tuple(sorted(r for r, c in exit_codes.items() if c < 0 and c not in stopped))
     if lost:
         return LaunchOutcome(1, lost)
     positive = [c for c in exit_codes.values() if c > 0]
@@ -232,46 +284,76 @@ def supervise(args: argparse.Namespace, plan: Plan, launch_id: str) -> int:
     fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
     names = (f"{plan.name}-replan{n}" for n in itertools.count(1))
     print(f"hexiseq run: supervising '{plan.name}'; run folder {folder}", flush=True)
-    plan.to_json(folder / f"{plan.name}.json")
-    lost_replans: list[tuple[int | None, str]] = []  # measured once their plan has run
+    plan_path = folder / "plan-0.json"
+    plan.to_json(plan_path)
+    recorded: list[tuple[int | None, str]] = []  # re-plans whose measured step is still due
+    last_loss_step = None
     for launch_index in range(MAX_LAUNCHES):
-        watcher = Watcher(folder, plan, cost, args.min_gain, names)
+        exchange = supervision.launch_folder(folder, launch_index)
+        exchange.mkdir()
+        watcher = Watcher(exchange, folder, plan, cost, args.min_gain, names)
         thread = watcher.start()
-        plan_path = folder / f"{plan.name}.json"
-        arguments = segment_arguments(args, plan_path, folder, fleet, resume=launch_index > 0)
+        arguments = launch_arguments(args, plan_path, folder, exchange, fleet, launch_index > 0)
         try:
-            outcome = launch(arguments, plan.cluster.world_size, launch_id)
+            outcome = launch_with_devices(arguments, plan.cluster.world_size, launch_id, fleet)
         finally:
             watcher.stop(thread)
-        record_measured_after(args, lost_replans, folder)
         for taken in watcher.taken:  # drift re-plans the ranks took over in place
-            record_replan(args, launch_id, plan, taken.replanned, taken.change, taken.step, folder)
-            plan = taken.replanned.plan
+            if ran(folder, taken.replanned.plan.name):
+                replan_id = record_replan(args, launch_id, taken.old, taken.replanned,
+                                          taken.change, taken.step)  # fmt: skip
+                recorded.append((replan_id, taken.replanned.plan.name))
+        plan = watcher.plan  # as measured, with what it took over
+        record_measured_after(args, recorded, folder)
         if not outcome.lost:
             return outcome.code
+        step = resume_step(folder)
+        if step == last_loss_step:
+            print(f"hexiseq run: ranks lost again before step {step} ran: stopping "
+                  "(a fault of the software, not of a device?)", file=sys.stderr)  # fmt: skip
+            return outcome.code
+        last_loss_step = step
         fail_unended(args, launch_id, f"rank(s) {_ranks(outcome.lost)} lost (killed)")
-        replanned = replan_lost(plan, cost, outcome.lost, next(names))
         detail = ", ".join(_device(plan, r) for r in outcome.lost) + " lost"
+        replanned = replan_lost(plan, cost, outcome.lost, next(names))
         print(
             f"hexiseq run: re-planned ({detail}) -> '{replanned.plan.name}' on "
             f"{replanned.plan.cluster.world_size} ranks "
             f"(searched in {replanned.planning_s:.2f} s)",
             flush=True,
         )
+        plan_path = folder / f"plan-{len(list(folder.glob('plan-*.json')))}.json"
+        replanned.plan.to_json(plan_path)
         change = Change("lost", detail, {}, outcome.lost, None)
-        replanned.plan.to_json(folder / f"{replanned.plan.name}.json")
-        replan_id = record_replan(
-            args, launch_id, plan, replanned, change, resume_step(folder), None
-        )
-        lost_replans.append((replan_id, replanned.plan.name))
+        replan_id = record_replan(args, launch_id, plan, replanned, change, step)
+        recorded.append((replan_id, replanned.plan.name))
         fleet.renumber(replanned.rank_map)
         plan = replanned.plan
     print(f"hexiseq run: stopped after {MAX_LAUNCHES} launches", file=sys.stderr)
     return 1
 
 
+def launch_with_devices(
+    arguments: list[str], world: int, launch_id: str, fleet: Fleet
+) -> LaunchOutcome:
+    """`launch`, on the GPUs still present when some were lost (their CUDA indices)."""
+    visible = fleet.visible_devices(os.environ)
+    if visible is None:
+        return launch(arguments, world, launch_id)
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    try:
+        return launch(arguments, world, launch_id)
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
 def run_folder(args: argparse.Namespace, plan: Plan, launch_id: str) -> Path:
-    """The run's folder (made), after the checks that need no launch."""
+    """The run's folder (made, and empty: a folder of an earlier run would mix its
+    checkpoints and steps into this one's), after the checks that need no launch."""
     if args.state_sharding == "replicated":
         raise InputError(
             "--replan checkpoints and reshards sharded model states: it cannot go with "
@@ -280,14 +362,32 @@ def run_folder(args: argparse.Namespace, plan: Plan, launch_id: str) -> Path:
     problem = check_ranks([*args.inject_slowdown, *args.inject_failure], plan.cluster.world_size)
     if problem is not None:
         raise InputError(problem)
+    _check_checkpoint_support()
     folder = Path(args.run_dir or f"hexiseq-run-{launch_id[:8]}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        held = any(folder.iterdir())
     except OSError as error:
         raise InputError(
             f"--run-dir {folder}: cannot make the run folder ({error.strerror})"
         ) from None
+    if held:
+        raise InputError(
+            f"--run-dir {folder} holds files already (an earlier run's?): give a new or empty "
+            "folder"
+        )
     return folder
+
+
+def _check_checkpoint_support() -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if not hasattr(dcp, "HuggingFaceStorageWriter"):
+        raise InputError(
+            f"--replan checkpoints with torch.distributed.checkpoint's safetensors storage, "
+            f"which torch {torch.__version__} lacks: install a newer torch (2.13 is tested)"
+        )
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -312,28 +412,31 @@ def _device(plan: Plan, rank: int) -> str:
     return f"rank {rank} ({device.node} #{device.local_rank}, {device.gpu})"
 
 
-def segment_arguments(
-    args: argparse.Namespace, plan_path: Path, folder: Path, fleet: Fleet, resume: bool
+def launch_arguments(
+    args: argparse.Namespace,
+    plan_path: Path,
+    folder: Path,
+    exchange: Path,
+    fleet: Fleet,
+    resume: bool,
 ) -> list[str]:
-    """The runtime's flags for one launch of the supervised run."""
-    arguments = [
-        f"--plan={plan_path}",
-        f"--steps={args.steps}",
-        f"--seed={args.seed}",
-        f"--device={args.device}",
-        f"--state-sharding={args.state_sharding}",
+    """The runtime's flags for one launch of the supervised run: `hexiseq run`'s own, with
+    this launch's plan, faults in present ranks, checkpoints and drift reports."""
+    from hexiseq.cli.run import train_flags
+
+    plain = argparse.Namespace(**{**vars(args), "inject_slowdown": [], "inject_failure": []})
+    return [
+        *train_flags(plain, plan_path),
+        *fleet.injections(),
         f"--checkpoint-dir={folder / 'checkpoints'}",
         f"--checkpoint-every={args.checkpoint_every}",
-        *fleet.injections(),
-        *(["--no-store"] if args.no_store else []),
         *(["--resume"] if resume else []),
-        f"--replan-dir={folder}",
-        f"--drift-threshold={args.drift_threshold}",
+        f"--replan-dir={exchange}",
+        f"--drift-threshold={args.drift_threshold!r}",
     ]
-    return arguments
 
 
-def replan_cost_model(args: argparse.Namespace, plan: Plan):
+def replan_cost_model(args: argparse.Namespace, plan: Plan) -> CostModel:
     """The cost model re-plans use: the store's newest fit for the plan's GPU types where it
     has one, the datasheet elsewhere (`--cost-model`). The store is the one the ranks write
     to (created as they would create it)."""
@@ -349,26 +452,20 @@ def replan_cost_model(args: argparse.Namespace, plan: Plan):
         return resolve_cost_model(args.cost_model, store, plan.cluster.gpu_types)
 
 
-def replan_lost(plan: Plan, cost, lost: tuple[int, ...], name: str):
+def replan_lost(plan: Plan, cost: CostModel, lost: tuple[int, ...], name: str) -> Replanned:
+    """The plan on the devices left; InfeasibleError (exit 3) when nothing fits there."""
     from hexiseq.search.replan import replan
 
-    return replan(plan, cost, lost=lost, name=name)
-
-
-@dataclass(frozen=True)
-class Change:
-    """Why the supervisor re-planned."""
-
-    reason: str  # "drift" or "lost"
-    detail: str
-    factors: dict[int, float]  # drift: old rank -> measured factor
-    lost: tuple[int, ...]
-    measured_before_s: float | None
+    try:
+        return replan(plan, cost, lost=lost, name=name)
+    except InfeasibleError as error:
+        message = f"after losing rank(s) {_ranks(lost)}: {error}"
+        raise InfeasibleError(message, error.missing_bytes) from None
 
 
 def resume_step(folder: Path) -> int:
     """The step the next launch starts at: its newest checkpoint's (0: none yet)."""
-    from hexiseq.runtime._checkpoint_files import latest_checkpoint
+    from hexiseq.runtime.checkpoint import latest_checkpoint
 
     found = latest_checkpoint(folder / "checkpoints")
     return 0 if found is None else found[0]
@@ -378,19 +475,15 @@ def record_replan(
     args: argparse.Namespace,
     launch_id: str,
     plan: Plan,
-    replanned,
+    replanned: Replanned,
     change: Change,
     step: int,
-    folder: Path | None,
 ) -> int | None:
-    """The re-plan's row in the store (None: no store, or it failed, which is said), with
-    the new plan's measured step time from `folder`'s step log when it has run already. A
-    plan that lost a device has no step time on what is left: its own prediction stands in."""
+    """The re-plan's row in the store (None: no store, or it failed, which is said)."""
     if args.no_store:
         return None
     from hexiseq.store import Replan, Store
 
-    old_step_s = replanned.predicted_old_step_s or plan.predicted.step_time_s
     try:
         record = Replan(
             launch_id=launch_id,
@@ -401,13 +494,10 @@ def record_replan(
             new_plan_json=replanned.plan.to_json_text(),
             measured_slowdowns=change.factors,
             lost_ranks=change.lost,
-            predicted_old_step_s=old_step_s,
+            predicted_old_step_s=replanned.predicted_old_step_s,
             predicted_new_step_s=replanned.predicted_new_step_s,
             planning_s=replanned.planning_s,
             measured_before_step_s=change.measured_before_s,
-            measured_after_step_s=None
-            if folder is None
-            else measured_after_s(folder, replanned.plan.name),
         )
         with Store.open(args.store) as store:
             return store.save_replan(record)
@@ -419,8 +509,7 @@ def record_replan(
 def record_measured_after(
     args: argparse.Namespace, replans: list[tuple[int | None, str]], folder: Path
 ) -> None:
-    """Each re-plan's measured step time once its plan has run (the re-plans on a lost
-    device, recorded before their plan ran); done ones leave the list."""
+    """Each re-plan's measured step time once its plan has run; done ones leave the list."""
     if args.no_store:
         return
     from hexiseq.store import Store

@@ -44,7 +44,7 @@ class ReplanRow(StoreBase):
     """JSON object: the old plan's rank (as text) -> its measured slowdown factor."""
     lost_ranks_json: Mapped[str] = mapped_column(Text)
     """JSON array of the old plan's ranks that were lost."""
-    predicted_old_step_s: Mapped[float] = mapped_column(Float)
+    predicted_old_step_s: Mapped[float | None] = mapped_column(Float)
     predicted_new_step_s: Mapped[float] = mapped_column(Float)
     planning_s: Mapped[float] = mapped_column(Float)
     measured_before_step_s: Mapped[float | None] = mapped_column(Float)
@@ -72,11 +72,13 @@ class Replan:
     old_plan_json: str
     new_plan_json: str
     measured_slowdowns: dict[int, float] = field(default_factory=dict)
-    """The old plan's rank -> its measured slowdown factor (> 0; 1.0: as fast as predicted)."""
+    """The old plan's rank -> how many times slower it measured than at the start of its
+    run (> 0; below 1: faster, a device that recovered)."""
     lost_ranks: tuple[int, ...] = ()
     """The old plan's ranks whose devices were lost."""
-    predicted_old_step_s: float
-    """The old plan's step time re-predicted on the changed cluster."""
+    predicted_old_step_s: float | None
+    """The old plan's step time re-predicted on the changed cluster; None when it cannot run
+    there (a device was lost)."""
     predicted_new_step_s: float
     """The new plan's predicted step time."""
     planning_s: float
@@ -95,18 +97,20 @@ class Replan:
         object.__setattr__(self, "measured_slowdowns", _checked_slowdowns(self.measured_slowdowns))
         if self.reason == "lost" and not self.lost_ranks:
             raise InputError("a re-plan for reason 'lost' names the lost ranks; got none")
-        for name in ("predicted_old_step_s", "predicted_new_step_s", "planning_s"):
+        for name in ("predicted_new_step_s", "planning_s"):
             positive = name != "planning_s"
             object.__setattr__(self, name, _checked_number(name, getattr(self, name), positive))
-        for name in ("measured_before_step_s", "measured_after_step_s"):
+        for name in ("predicted_old_step_s", "measured_before_step_s", "measured_after_step_s"):
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _checked_number(name, value, positive=True))
 
     @property
-    def predicted_gain(self) -> float:
+    def predicted_gain(self) -> float | None:
         """How many times faster the new plan is predicted to step than the old one on the
-        changed cluster (> 1: the re-plan helps)."""
+        changed cluster (> 1: the re-plan helps); None when the old one cannot run there."""
+        if self.predicted_old_step_s is None:
+            return None
         return self.predicted_old_step_s / self.predicted_new_step_s
 
     @property

@@ -49,6 +49,8 @@ class RuntimeRunRow(StoreBase):
     seq_len: Mapped[int]
     world_size: Mapped[int]
     steps: Mapped[int]
+    """Steps this run was to run: all of them, or, for a run resumed from a checkpoint or
+    handed over by a re-plan (`hexiseq run --replan`), those from its first step on."""
     backend: Mapped[str] = mapped_column(String)
     device: Mapped[str] = mapped_column(String)
     dtype: Mapped[str] = mapped_column(String)
@@ -191,7 +193,8 @@ class RuntimeTables:
             return row.id
 
     def end_runtime_run(self, run_id: int, status: str, failure: str | None = None) -> None:
-        """Record that run `run_id` ended: "finished", or "failed" with why (one line, cut to
+        """Record that run `run_id` ended: "finished", "replanned" (its steps went on under a
+        new plan), or "failed" with why (one line, cut to
         2000 characters). A run that has ended already keeps its first ending.
 
         Raises InputError for an unknown run or status, or a failure without a reason.

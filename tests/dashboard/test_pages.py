@@ -119,7 +119,7 @@ def test_throughput_page_shows_the_replan(populated_store):
 def test_throughput_page_on_a_store_without_replans_says_what_records_them(empty_store_url):
     app = open_page(empty_store_url, "throughput")
     assert_no_exception(app)
-    assert "No re-plans in the store. `hexiseq run` re-plans when" in texts(app)
+    assert "No re-plans in the store. `hexiseq run --replan` re-plans when" in texts(app)
 
 
 def test_replans_of_several_launches_show_one_launch_when_picked(

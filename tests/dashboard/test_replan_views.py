@@ -46,6 +46,7 @@ def records(tiny_result) -> list[ReplanRecord]:
         new_plan_json='{"not": "a plan"}',
         measured_slowdowns={},
         lost_ranks=(3,),
+        predicted_old_step_s=None,
         measured_before_step_s=None,
         measured_after_step_s=None,
     )
@@ -70,8 +71,13 @@ def test_predicted_and_measured_gains(records):
     assert (drift["measured_before_step_s"], drift["measured_after_step_s"]) == (3.3, 2.75)
     assert drift["measured_gain"] == pytest.approx(1.2)
     assert drift["planning_s"] == 0.25
-    assert lost["predicted_gain"] == pytest.approx(1.5)
-    for column in ("measured_before_step_s", "measured_after_step_s", "measured_gain"):
+    for column in (
+        "predicted_old_step_s",
+        "predicted_gain",
+        "measured_before_step_s",
+        "measured_after_step_s",
+        "measured_gain",
+    ):
         assert pd.isna(lost[column]), column  # blank, not zero
 
 
@@ -116,7 +122,8 @@ def test_the_gain_figure_has_a_predicted_and_a_measured_bar_per_replan(records):
     figure = views.replan_gain_figure(views.replans_frame(records))
     predicted, measured = figure.data
     assert list(predicted.x) == ["#1 step 12 (drift)", "#2 step 40 (lost)"]  # oldest first
-    assert list(predicted.y) == pytest.approx([1.5, 1.5])
+    assert list(predicted.y) == pytest.approx([1.5, 0.0])  # the old plan lost a device
+    assert list(predicted.text) == ["1.50x", "old plan lost a device"]
     assert list(measured.y) == pytest.approx([1.2, 0.0])
     assert list(measured.text) == ["1.20x", "not measured"]
     assert figure.layout.shapes[0].y0 == 1.0  # the line of no gain

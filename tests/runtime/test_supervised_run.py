@@ -129,3 +129,12 @@ def test_bad_supervision_flags_are_one_line(plan_path, tmp_path, flags, message)
     done = supervised(plan_path, tmp_path, *flags)
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_run_folder_of_an_earlier_run_is_refused(plan_path, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "steps.jsonl").write_text("")
+    done = supervised(plan_path, tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"--run-dir {tmp_path / 'run'} holds files already" in done.stderr
+

@@ -8,7 +8,7 @@ import pytest
 
 from hexiseq import Cluster
 from hexiseq.costmodel.datasheet import DatasheetCostModel
-from hexiseq.errors import InputError
+from hexiseq.errors import InfeasibleError
 from hexiseq.search import plan_search
 from hexiseq.search.predict import predict
 from hexiseq.search.replan import replan
@@ -63,5 +63,5 @@ def test_nothing_left_that_fits_is_one_clear_message():
         {"name": "two-l40s", "nodes": [{"name": "n", "gpu": "L40S", "count": 2}]}
     )
     plan = plan_search(tight, "llama3.2-3b", "16k", cost_model=COST).best
-    with pytest.raises(InputError, match="re-plan of .* on what is left"):
+    with pytest.raises(InfeasibleError, match="re-plan of .* on what is left"):
         replan(plan, COST, lost=[0])

@@ -31,7 +31,7 @@ def upgrade() -> None:
         sa.Column("new_plan_json", sa.Text, nullable=False),
         sa.Column("measured_slowdowns_json", sa.Text, nullable=False),
         sa.Column("lost_ranks_json", sa.Text, nullable=False),
-        sa.Column("predicted_old_step_s", sa.Float, nullable=False),
+        sa.Column("predicted_old_step_s", sa.Float),
         sa.Column("predicted_new_step_s", sa.Float, nullable=False),
         sa.Column("planning_s", sa.Float, nullable=False),
         sa.Column("measured_before_step_s", sa.Float),
