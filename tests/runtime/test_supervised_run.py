@@ -137,4 +137,3 @@ def test_a_run_folder_of_an_earlier_run_is_refused(plan_path, tmp_path):
     done = supervised(plan_path, tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"--run-dir {tmp_path / 'run'} holds files already" in done.stderr
-
