@@ -127,7 +127,10 @@ def search(
 ) -> SearchResult:
     """`plan_search` with its options as one validated object."""
     cluster_spec = _cluster(cluster)
-    seq_len_tokens = _seq_len(cluster_spec, parse_seq_len(seq_len))
+    tokens = parse_seq_len(seq_len)
+    shares_batch = options.data_parallel and options.micro_batches >= 2
+    too_short = tokens < 2 * cluster_spec.world_size  # for one mesh: replicas of nodes may do
+    seq_len_tokens = _seq_len(cluster_spec, tokens, replicas=shares_batch)
     problem = Problem(
         cluster=cluster_spec,
         model=_model(model),
@@ -135,7 +138,7 @@ def search(
         cost=options.cost_model or DatasheetCostModel(),
         checkpointing_options=options.checkpointing_options,
     )
-    if cluster_spec.world_size > MAX_PLANNED_DEVICES:
+    if cluster_spec.world_size > MAX_PLANNED_DEVICES or (too_short and shares_batch):
         return _replicas_only(problem, options)
     baselines = all_baselines(problem)
     outcome = run_study(problem, options)
@@ -175,10 +178,16 @@ def _replicas_only(problem: Problem, options: SearchOptions) -> SearchResult:
     """A cluster too large for one mesh: data-parallel replicas only (their meshes are planned
     per node shape, not per rank), or one line saying what to give."""
     cluster = problem.cluster
-    beyond = (
-        f"cluster {cluster.name} has {cluster.world_size:,} devices; hexiseq plans one CP-HP "
-        f"mesh of at most {MAX_PLANNED_DEVICES:,}"
-    )
+    if cluster.world_size > MAX_PLANNED_DEVICES:
+        beyond = (
+            f"cluster {cluster.name} has {cluster.world_size:,} devices; hexiseq plans one "
+            f"CP-HP mesh of at most {MAX_PLANNED_DEVICES:,}"
+        )
+    else:
+        beyond = (
+            f"a sequence of {problem.train.seq_len:,} tokens is too short for one mesh over "
+            f"{cluster.name}'s {cluster.world_size:,} devices (2 tokens each)"
+        )
     if not options.data_parallel or problem.train.micro_batches < 2:
         raise InputError(
             f"{beyond}: give the step's batch (--micro-batches N, Python micro_batches=N, at "
@@ -201,16 +210,29 @@ def _model(model) -> ModelSpec:
     return ModelSpec.preset(model)
 
 
-def _seq_len(cluster: Cluster, tokens: int) -> int:
+def _seq_len(cluster: Cluster, tokens: int, replicas: bool = False) -> int:
     """The sequence must split into an even number of zigzag chunks of whole tokens, at least
-    one pair of tokens per device."""
+    one pair of tokens per device of its mesh: the whole cluster, or, where data-parallel
+    replicas share a batch (`replicas`), at least one node (replicas are whole nodes)."""
     world = cluster.world_size
-    if tokens % 2 or tokens < 2 * world:
+    node = max(n.count for n in cluster.nodes)
+    if tokens % 2 == 0 and tokens >= 2 * (node if replicas else world):
+        return tokens
+    if replicas:
         raise InputError(
-            f"--seq-len {tokens:,} cannot be split over {cluster.name}'s {world} devices: "
-            f"give an even number of tokens, at least 2 per device ({2 * world:,})"
+            f"--seq-len {tokens:,} cannot be split over a node of {cluster.name} ({node} "
+            f"devices): give an even number of tokens, at least 2 per device ({2 * node:,})"
         )
-    return tokens
+    hint = ""
+    if tokens % 2 == 0 and tokens >= 2 * node:  # a node could take it: replicas would do
+        hint = (
+            "; or give a batch (--micro-batches N >= 2) to plan data-parallel replicas of "
+            "whole nodes, each taking whole sequences"
+        )
+    raise InputError(
+        f"--seq-len {tokens:,} cannot be split over {cluster.name}'s {world} devices: give an "
+        f"even number of tokens, at least 2 per device ({2 * world:,}){hint}"
+    )
 
 
 def train_spec(cluster: Cluster, seq_len: int, options: SearchOptions) -> TrainSpec:

@@ -191,7 +191,7 @@ def _run(nodes: list, index: int, count: int) -> list:
 
 def _mesh_plan(problem: Problem, cluster: Cluster) -> Plan | None:
     """The best plan of one mesh on `cluster` (the default search), once per node shape."""
-    from hexiseq.errors import InfeasibleError
+    from hexiseq.errors import InfeasibleError, InputError
     from hexiseq.search.api import search  # the search plans replicas with this module
     from hexiseq.search.options import SearchOptions
 
@@ -205,7 +205,7 @@ def _mesh_plan(problem: Problem, cluster: Cluster) -> Plan | None:
         )
         try:
             return search(cluster, problem.model, problem.train.seq_len, options).best
-        except InfeasibleError:
+        except (InfeasibleError, InputError):  # nothing fits, or a sequence too short for it
             return None
 
     found = problem.memo(
