@@ -282,7 +282,7 @@ def supervise(args: argparse.Namespace, plan: Plan, launch_id: str) -> int:
     folder = run_folder(args, plan, launch_id)
     cost = replan_cost_model(args, plan)
     fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
-    names = (f"{plan.name}-replan{n}" for n in itertools.count(1))
+    names = map(f"{plan.name}-replan{{}}".format, itertools.count(1))  # the first plan's name
     print(f"hexiseq run: supervising '{plan.name}'; run folder {folder}", flush=True)
     plan_path = folder / "plan-0.json"
     plan.to_json(plan_path)

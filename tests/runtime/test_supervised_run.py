@@ -110,6 +110,28 @@ def test_a_lost_rank_is_planned_around_with_the_same_losses(plan_path, reference
     assert [run["status"] for run in runs] == ["failed", "finished"] and runs[0]["failure"]
 
 
+def test_a_drift_then_a_loss_in_one_run(plan_path, reference, tmp_path):
+    """Rank 0 slowed 3x (re-planned in place), then rank 2 lost: the relaunch on three ranks
+    keeps rank 0's measured slowdown and its injected fault, and the losses hold."""
+    done = supervised(plan_path, tmp_path, "--inject-slowdown=0:3@2", "--inject-failure=2@6")
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = read_steps(tmp_path / "run")
+    assert_same_losses(steps, reference)
+    final = by_step(steps)
+    plans = [final[s]["plan"] for s in (0, STEPS - 2, STEPS - 1)]
+    assert plans == ["hexiseq", "hexiseq-replan1", "hexiseq-replan2"], done.stdout
+    assert final[STEPS - 1]["world_size"] == 3
+
+    with Store.open(f"sqlite:///{tmp_path / 'store.db'}") as store:
+        lost, drift = store.list_replans()  # newest first
+    assert (drift.reason, lost.reason, lost.lost_ranks) == ("drift", "lost", (2,))
+    after_loss = Plan.from_json_text(lost.new_plan_json)
+    assert after_loss.cluster.devices[0].measured_slowdown > 1.5  # still known slow
+    assert Plan.from_json_text(lost.old_plan_json).name == "hexiseq-replan1"
+    # the relaunch still treats rank 0 (3x slow, fast type) as slow: fewer tokens than rank 1
+    assert after_loss.assignments[0].tokens < after_loss.assignments[1].tokens
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
