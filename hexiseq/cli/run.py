@@ -10,7 +10,6 @@ rank K with as many processes as the node has devices, whatever the other nodes 
 from __future__ import annotations
 
 import argparse
-import os
 import shlex
 import sys
 import uuid
@@ -378,9 +377,8 @@ def _supervised(args: argparse.Namespace, plan, environment: dict[str, str]) -> 
     from hexiseq.cli.supervise import supervise
 
     launch_id = environment[LAUNCH_ID_ENV]
-    os.environ.update(environment)  # the launcher's ranks inherit this process's environment
     try:
-        code = supervise(args, plan, launch_id)
+        code = supervise(args, plan, environment)
     except KeyboardInterrupt:
         _fail_unended_runs(args, launch_id, "interrupted (Ctrl-C) before its ranks ended it")
         raise

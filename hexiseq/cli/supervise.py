@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -256,9 +257,6 @@ def launch(arguments: list[str], world: int, launch_id: str) -> LaunchOutcome:
         max_restarts=0,
         monitor_interval=0.1,
     )
-    # As torchrun does: one intra-op thread per rank unless told otherwise (ranks that
-    # share a machine's cores would otherwise oversubscribe them many times over).
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         elastic_launch(config, sys.executable)("-m", "hexiseq.runtime.train", *arguments)
     except ChildFailedError as error:
@@ -277,8 +275,12 @@ def outcome_of(exit_codes: dict[int, int]) -> LaunchOutcome:
     return LaunchOutcome(max(positive) if positive else 1)
 
 
-def supervise(args: argparse.Namespace, plan: Plan, launch_id: str) -> int:
-    """The supervised run (see the module docstring); returns the exit code."""
+def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str]) -> int:
+    """The supervised run (see the module docstring), its ranks seeing `environment` (the
+    store URL, the launch id); returns the exit code."""
+    from hexiseq.store import LAUNCH_ID_ENV
+
+    launch_id = environment[LAUNCH_ID_ENV]
     folder = run_folder(args, plan, launch_id)
     cost = replan_cost_model(args, plan)
     fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
@@ -295,7 +297,8 @@ def supervise(args: argparse.Namespace, plan: Plan, launch_id: str) -> int:
         thread = watcher.start()
         arguments = launch_arguments(args, plan_path, folder, exchange, fleet, launch_index > 0)
         try:
-            outcome = launch_with_devices(arguments, plan.cluster.world_size, launch_id, fleet)
+            with ranks_environment(environment, fleet):
+                outcome = launch(arguments, plan.cluster.world_size, launch_id)
         finally:
             watcher.stop(thread)
         for taken in watcher.taken:  # drift re-plans the ranks took over in place
@@ -333,22 +336,23 @@ def supervise(args: argparse.Namespace, plan: Plan, launch_id: str) -> int:
     return 1
 
 
-def launch_with_devices(
-    arguments: list[str], world: int, launch_id: str, fleet: Fleet
-) -> LaunchOutcome:
-    """`launch`, on the GPUs still present when some were lost (their CUDA indices)."""
-    visible = fleet.visible_devices(os.environ)
-    if visible is None:
-        return launch(arguments, world, launch_id)
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible
+@contextmanager
+def ranks_environment(environment: dict[str, str], fleet: Fleet) -> Iterator[None]:
+    """This process's environment set to what the ranks must see while a launch runs (the
+    launcher passes its own to them): `environment`, one intra-op thread per rank unless told
+    otherwise (as torchrun does: ranks sharing a machine's cores would oversubscribe them),
+    and the GPUs still present when some were lost (their CUDA indices). Restored after."""
+    before = dict(os.environ)
+    wanted = {"OMP_NUM_THREADS": "1", **environment}
+    visible = fleet.visible_devices(environment)
+    if visible is not None:
+        wanted["CUDA_VISIBLE_DEVICES"] = visible
+    os.environ.update(wanted)
     try:
-        return launch(arguments, world, launch_id)
+        yield
     finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
+        os.environ.clear()
+        os.environ.update(before)
 
 
 def run_folder(args: argparse.Namespace, plan: Plan, launch_id: str) -> Path:

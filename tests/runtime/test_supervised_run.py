@@ -5,11 +5,13 @@ plan (state resharded from the checkpoint), and its losses are an uninterrupted 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from cli_runner import run_main
 
 from hexiseq import Plan, plan_search
 from hexiseq.store import Store
@@ -148,14 +150,27 @@ def test_a_drift_then_a_loss_in_one_run(plan_path, reference, tmp_path):
     ],
 )
 def test_bad_supervision_flags_are_one_line(plan_path, tmp_path, flags, message):
-    done = supervised(plan_path, tmp_path, *flags)
-    assert done.returncode == 2
+    """In-process: every one is refused before anything is launched, and this process's
+    environment is as it was (the ranks' store URL and launch id are set only around a
+    launch)."""
+    environment = dict(os.environ)
+    run_dir = (
+        []
+        if any(f.startswith("--run-dir") for f in flags)
+        else ["--run-dir", str(tmp_path / "run")]
+    )
+    done = run_main(
+        ["run", "--plan", str(plan_path), "--device", "cpu", "--replan", *run_dir,
+         "--store", f"sqlite:///{tmp_path / 'store.db'}", *flags]
+    )  # fmt: skip
+    assert done.code == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+    assert dict(os.environ) == environment
 
 
 def test_a_run_folder_of_an_earlier_run_is_refused(plan_path, tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "steps.jsonl").write_text("")
-    done = supervised(plan_path, tmp_path)
+    done = supervised(plan_path, tmp_path)  # a real launch would follow: in a child process
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert f"--run-dir {tmp_path / 'run'} holds files already" in done.stderr
