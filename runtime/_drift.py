@@ -7,22 +7,26 @@ on a CPU rank the CPU time of its compute phases times its emulated slowdown, on
 phases' time on the stream by CUDA events) over the compute the plan predicts for it
 (`RankPrediction.linear_s + attention_s`). The ratio is not 1 even on a healthy rank (the
 model's error, the host), so a rank's *drift* is its ratio over its own ratio at the start
-of the run: the lowest of the `BASELINE_STEPS` steps after the first (which warms caches and
-allocators), so that a slowdown beginning inside that window does not hide in the start. A
-rank whose drift stays at or above the threshold for `PATIENCE` steps in a row has slowed
-down by that factor; one that was measured slow before (its device's `measured_slowdown` in
-the plan) and whose drift falls to 1 / threshold has recovered. Ranks inside the band keep
-their factor: noise and the CPU shared by emulated ranks never move a plan. Pure: no torch.
+of the run (the median of the `BASELINE_STEPS` steps after the first, which warms caches and
+allocators), over the same of the typical rank (the lower median of all ranks' drifts): a
+change that slows every rank alike (the host, a shared network, a CPU's frequency) moves no
+work, so only a rank's speed *relative to the others* counts. A rank whose relative drift
+stays at or above the threshold for `PATIENCE` steps in a row has slowed down by that
+factor; one that was measured slow before (its device's `measured_slowdown` in the plan) and
+whose drift falls to 1 / threshold has recovered. Ranks inside the band keep their factor:
+noise never moves a plan. A slowdown already in force in the baseline steps is part of the
+start. Pure: no torch.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hexiseq.supervision import DEFAULT_DRIFT_THRESHOLD
 
-BASELINE_STEPS = 2
+BASELINE_STEPS = 3
 PATIENCE = 2
 
 
@@ -83,11 +87,11 @@ class DriftMonitor:
             if len(self._ratios) < 1 + BASELINE_STEPS:
                 return None
             window = self._ratios[1:]  # the first step warms up
-            self._baseline = tuple(min(col) for col in zip(*window, strict=True))
+            self._baseline = tuple(statistics.median(col) for col in zip(*window, strict=True))
             return None
-        drift = tuple(  # a rank with no compute timed at the start: no drift to see
-            r / b if b > 0 else 1.0 for r, b in zip(ratios, self._baseline, strict=True)
-        )
+        own = [r / b if b > 0 else 1.0 for r, b in zip(ratios, self._baseline, strict=True)]
+        typical = statistics.median_low(own) or 1.0  # no rank timed anything: no drift
+        drift = tuple(value / typical for value in own)
         changed = {}
         for rank, value in enumerate(drift):
             moved = value >= self.threshold or (self.slowed[rank] and value <= 1 / self.threshold)

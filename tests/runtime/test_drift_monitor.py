@@ -111,8 +111,13 @@ def test_gpu_phases_time_the_union_of_phases_minus_the_waits_inside():
         padding.remove()
 
 
-def test_a_slowdown_that_begins_inside_the_baseline_window_is_seen_in_full():
+def test_every_rank_slower_alike_moves_no_work():
     monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
-    rows = [[1.0, 2.0, 4.0]] * 2 + [[3.0, 2.0, 4.0]] * (BASELINE_STEPS - 1 + PATIENCE)
-    (drift,) = feed(monitor, rows).values()
-    assert drift.factors == {0: pytest.approx(3.0)}
+    rows = [[1.0, 2.0, 4.0]] * (1 + BASELINE_STEPS) + [[2.0, 4.0, 8.0]] * (PATIENCE + 2)
+    assert feed(monitor, rows) == {}
+
+
+def test_one_fast_start_step_is_not_the_start():
+    monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
+    start = [[9.0, 9.0, 9.0], [1.0, 2.0, 4.0], [0.5, 2.0, 4.0], [1.0, 2.0, 4.0]]
+    assert feed(monitor, start + [[1.0, 2.0, 4.0]] * (PATIENCE + 2)) == {}
