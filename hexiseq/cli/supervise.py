@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import os
 import signal
@@ -37,7 +38,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,8 @@ class Watcher:
     min_gain: float
     names: Iterator[str]
     """Names for the plans it makes."""
+    remember: Callable[[Plan], None] = lambda plan: None
+    """Saves a plan it hands over (to the store: its runs then compare with it)."""
     taken: list[Taken] = field(default_factory=list)
     answered: set[str] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -185,6 +188,7 @@ class Watcher:
         if replanned.worth_it(self.min_gain):
             plan_path = self.plans / f"plan-{len(list(self.plans.glob('plan-*.json')))}.json"
             replanned.plan.to_json(plan_path)
+            self.remember(replanned.plan)  # before the ranks record their run of it
             decision = {"action": "replan", "plan": str(plan_path.resolve())}
         if not supervision.claim_json(supervision.decision_path(self.folder, step), decision):
             return  # rank 0 gave up waiting and kept the plan
@@ -288,12 +292,14 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
     print(f"hexiseq run: supervising '{plan.name}'; run folder {folder}", flush=True)
     plan_path = folder / "plan-0.json"
     plan.to_json(plan_path)
+    remember_plan(args, plan, "run")
+    remember = functools.partial(remember_plan, args, label="replan")
     recorded: list[tuple[int | None, str]] = []  # re-plans whose measured step is still due
     last_loss_step = None
     for launch_index in range(MAX_LAUNCHES):
         exchange = supervision.launch_folder(folder, launch_index)
         exchange.mkdir()
-        watcher = Watcher(exchange, folder, plan, cost, args.min_gain, names)
+        watcher = Watcher(exchange, folder, plan, cost, args.min_gain, names, remember)
         thread = watcher.start()
         arguments = launch_arguments(args, plan_path, folder, exchange, fleet, launch_index > 0)
         try:
@@ -327,6 +333,7 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
         )
         plan_path = folder / f"plan-{len(list(folder.glob('plan-*.json')))}.json"
         replanned.plan.to_json(plan_path)
+        remember(replanned.plan)
         change = Change("lost", detail, {}, outcome.lost, None)
         replan_id = record_replan(args, launch_id, plan, replanned, change, step)
         recorded.append((replan_id, replanned.plan.name))
@@ -473,6 +480,21 @@ def resume_step(folder: Path) -> int:
 
     found = latest_checkpoint(folder / "checkpoints")
     return 0 if found is None else found[0]
+
+
+def remember_plan(args: argparse.Namespace, plan: Plan, label: str) -> None:
+    """`plan` in the store's plans under `label` unless saved already, so that the runs of
+    it compare measured with predicted."""
+    if args.no_store:
+        return
+    from hexiseq.store import Store
+
+    try:
+        with Store.open(args.store) as store:
+            if store.find_plan_id(plan.to_json_text()) is None:
+                store.save_plan_object(plan, label=label)
+    except HexiseqError as error:
+        print(f"hexiseq run: could not save plan '{plan.name}': {error}", file=sys.stderr)
 
 
 def record_replan(

@@ -85,6 +85,8 @@ def test_a_slowed_rank_is_planned_around_with_the_same_losses(plan_path, referen
     assert replan.predicted_gain >= 1.05
     assert replan.measured_before_step_s > 0 and replan.measured_after_step_s > 0
     assert [run["status"] for run in runs] == ["replanned", "finished"]
+    # both plans are in the store, so each run compares measured with predicted
+    assert all(run["plan_id"] is not None for run in runs)
 
     old, new = Plan.from_json_text(replan.old_plan_json), Plan.from_json_text(replan.new_plan_json)
     assert new.cluster.devices[0].measured_slowdown > 1.5
