@@ -78,6 +78,28 @@ def argument_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     return parsed
 
 
+def add_injection_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--inject-slowdown` and `--inject-failure`, each repeatable (`hexiseq run` and the
+    runtime's own command line take the same)."""
+    parser.add_argument(
+        "--inject-slowdown",
+        type=argument_type(parse_slowdown),
+        action="append",
+        default=[],
+        metavar="RANK:FACTOR@STEP",
+        help=f"emulate rank RANK's device FACTOR (1..{MAX_INJECTED_SLOWDOWN:g}) times slower "
+        "from step STEP on (CPU ranks: it sleeps)",
+    )
+    parser.add_argument(
+        "--inject-failure",
+        type=argument_type(parse_failure),
+        action="append",
+        default=[],
+        metavar="RANK@STEP",
+        help="kill rank RANK outright (SIGKILL, a lost device) when step STEP begins",
+    )
+
+
 def check_ranks(
     injections: Iterable[SlowdownInjection | FailureInjection], world_size: int
 ) -> str | None:

@@ -70,10 +70,8 @@ from hexiseq.errors import HexiseqError, InputError
 from hexiseq.injections import (
     FailureInjection,
     SlowdownInjection,
-    argument_type,
+    add_injection_arguments,
     check_ranks,
-    parse_failure,
-    parse_slowdown,
 )
 from hexiseq.plan import Plan
 from hexiseq.runtime._drift import Drift, DriftMonitor
@@ -265,22 +263,7 @@ def _add_supervision_flags(parser: argparse.ArgumentParser) -> None:
         metavar="X",
         help="a rank drifted when its compute stays X times its start",
     )
-    parser.add_argument(
-        "--inject-slowdown",
-        type=argument_type(parse_slowdown),
-        action="append",
-        default=[],
-        metavar="RANK:FACTOR@STEP",
-        help="emulate rank RANK's device FACTOR times slower from step STEP on",
-    )
-    parser.add_argument(
-        "--inject-failure",
-        type=argument_type(parse_failure),
-        action="append",
-        default=[],
-        metavar="RANK@STEP",
-        help="kill rank RANK (SIGKILL, a lost device) when step STEP begins",
-    )
+    add_injection_arguments(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -461,7 +444,18 @@ def run_steps(
         padding.remove()
 
 
-def _steps(plan, options, context, store, run_id, first_step, model, optimizer, padding):
+def _steps(
+    plan: Plan,
+    options: TrainOptions,
+    context: RankContext,
+    store: Store | None,
+    run_id: int | None,
+    first_step: int,
+    model: LlamaModel,
+    optimizer: torch.optim.Optimizer,
+    padding: ComputePadding,
+) -> Handover | None:
+    """`run_steps`' loop over the steps, the model built."""
     sharded = options.state_sharding == "sharded"
     monitor = drift_monitor(plan, options) if options.watches_drift else None
     mesh = context.mesh_of(plan)
@@ -491,7 +485,7 @@ def _steps(plan, options, context, store, run_id, first_step, model, optimizer, 
         drift = None if monitor is None else monitor.observe(step, [b for _, b in gathered])
         if drift is not None and done < options.steps:
             decision = ask_supervisor(options, context, drift)
-            if decision.get("action") == "replan" and decision.get("plan"):
+            if decision["action"] == "replan":  # `supervision.read_decision`: with its plan
                 if not saved:
                     save_plan_checkpoint(plan, options, context, model, optimizer, done)
                 return Handover(decision["plan"], done)

@@ -98,28 +98,14 @@ def replan_gain_figure(frame: pd.DataFrame) -> go.Figure:
     order = frame.iloc[::-1]  # oldest first, left to right
     labels = [f"#{r} step {s} ({why})" for r, s, why in zip(order["replan"], order["step"],
                                                            order["reason"])]  # fmt: skip
-    measured = order["measured_gain"].astype(float)
-    predicted = order["predicted_gain"].astype(float)
     figure = go.Figure(
         [
-            go.Bar(
-                x=labels,
-                y=predicted.fillna(0.0),
-                name="predicted gain",
-                marker_color=PREDICTED_COLOR,
-                text=["old plan lost a device" if pd.isna(g) else f"{g:.2f}x" for g in predicted],
-                textposition="outside",
-            ),
-            go.Bar(
-                x=labels,
-                y=measured.fillna(0.0),
-                name="measured gain",
-                marker_color=MEASURED_COLOR,
-                text=["not measured" if pd.isna(g) else f"{g:.2f}x" for g in measured],
-                textposition="outside",
-            ),
+            _gain_bars(labels, order["predicted_gain"], "predicted gain", PREDICTED_COLOR,
+                       missing="old plan lost a device"),
+            _gain_bars(labels, order["measured_gain"], "measured gain", MEASURED_COLOR,
+                       missing="not measured"),
         ]
-    )
+    )  # fmt: skip
     figure.add_hline(y=1.0, line_dash="dot", annotation_text="no gain")
     figure.update_layout(
         title="Re-plans: predicted vs measured gain (old step time / new step time)",
@@ -127,3 +113,16 @@ def replan_gain_figure(frame: pd.DataFrame) -> go.Figure:
         barmode="group",
     )
     return figure
+
+
+def _gain_bars(labels: list[str], gains: pd.Series, name: str, color: str, missing: str) -> go.Bar:
+    """One bar per re-plan; a gain that is not known is a bar of 0 saying why."""
+    values = gains.astype(float)
+    return go.Bar(
+        x=labels,
+        y=values.fillna(0.0),
+        name=name,
+        marker_color=color,
+        text=[missing if pd.isna(g) else f"{g:.2f}x" for g in values],
+        textposition="outside",
+    )

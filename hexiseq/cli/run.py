@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from hexiseq.cli.arguments import positive_int, seed
 from hexiseq.errors import InputError
-from hexiseq.injections import argument_type, parse_failure, parse_slowdown
+from hexiseq.injections import add_injection_arguments
 from hexiseq.store import LAUNCH_ID_ENV, STORE_URL_ENV, STORE_URL_HELP, child_environment
 from hexiseq.supervision import DEFAULT_DRIFT_THRESHOLD, MIN_GAIN
 
@@ -124,22 +124,7 @@ def _add_replan_flags(run) -> None:
         help="cost model of the re-plans: auto (the store's fit where it has one, else the "
         "datasheet), fitted, datasheet",
     )
-    replan.add_argument(
-        "--inject-slowdown",
-        type=argument_type(parse_slowdown),
-        action="append",
-        default=[],
-        metavar="RANK:FACTOR@STEP",
-        help="emulate rank RANK's device FACTOR (1..100) times slower from step STEP on",
-    )
-    replan.add_argument(
-        "--inject-failure",
-        type=argument_type(parse_failure),
-        action="append",
-        default=[],
-        metavar="RANK@STEP",
-        help="kill rank RANK outright (SIGKILL, a lost device) when step STEP begins",
-    )
+    add_injection_arguments(replan)
 
 
 REPLAN_DEFAULTS = {
@@ -363,10 +348,10 @@ def run_run(args: argparse.Namespace) -> int:
     try:
         code = subprocess.run(command, env=environment, check=False).returncode
     except KeyboardInterrupt:
-        _fail_unended_runs(args, launch_id, "interrupted (Ctrl-C) before its ranks ended it")
+        fail_unended_runs(args, launch_id, "interrupted (Ctrl-C) before its ranks ended it")
         raise
     if code != 0:
-        _fail_unended_runs(
+        fail_unended_runs(
             args, launch_id, f"torchrun exited with code {code} before its ranks ended the run"
         )
     return code
@@ -380,14 +365,14 @@ def _supervised(args: argparse.Namespace, plan, environment: dict[str, str]) -> 
     try:
         code = supervise(args, plan, environment)
     except KeyboardInterrupt:
-        _fail_unended_runs(args, launch_id, "interrupted (Ctrl-C) before its ranks ended it")
+        fail_unended_runs(args, launch_id, "interrupted (Ctrl-C) before its ranks ended it")
         raise
     if code != 0:
-        _fail_unended_runs(args, launch_id, f"ranks exited with code {code}")
+        fail_unended_runs(args, launch_id, f"ranks exited with code {code}")
     return code
 
 
-def _fail_unended_runs(args: argparse.Namespace, launch_id: str, failure: str) -> None:
+def fail_unended_runs(args: argparse.Namespace, launch_id: str, failure: str) -> None:
     """Mark this launch's runs that no rank could end (killed, crashed) failed with why."""
     from hexiseq.errors import HexiseqError
     from hexiseq.store import Store

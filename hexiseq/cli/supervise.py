@@ -32,12 +32,10 @@ import dataclasses
 import functools
 import itertools
 import os
-import signal
 import statistics
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -56,8 +54,6 @@ if TYPE_CHECKING:
 MAX_LAUNCHES = 9
 """Launches one run may make (a lost device each) before the supervisor stops."""
 POLL_S = 0.02
-LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-"""How the launcher stops the ranks it gives up on: not a lost device."""
 
 
 @dataclass
@@ -238,50 +234,11 @@ def ran(folder: Path, plan_name: str) -> bool:
     return any(entry.get("plan") == plan_name for entry in supervision.read_steps(folder))
 
 
-@dataclass(frozen=True)
-class LaunchOutcome:
-    code: int
-    lost: tuple[int, ...] = ()
-    """Ranks killed by a signal not the launcher's (lost devices)."""
-
-
-def launch(arguments: list[str], world: int, launch_id: str) -> LaunchOutcome:
-    """Run the ranks (`python -m hexiseq.runtime.train arguments`) on this machine until they
-    end, and say how: 0, lost ranks, or another exit code."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=world,
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        run_id=f"hexiseq-{launch_id[:8]}-{uuid.uuid4().hex[:8]}",
-        max_restarts=0,
-        monitor_interval=0.1,
-    )
-    try:
-        elastic_launch(config, sys.executable)("-m", "hexiseq.runtime.train", *arguments)
-    except ChildFailedError as error:
-        return outcome_of({rank: failure.exitcode for rank, failure in error.failures.items()})
-    return LaunchOutcome(0)
-
-
-def outcome_of(exit_codes: dict[int, int]) -> LaunchOutcome:
-    """How a launch ended from its failed ranks' exit codes (negative: killed by signal -c):
-    ranks killed by a signal other than the launcher's are lost devices."""
-    stopped = {-int(s) for s in LAUNCHER_SIGNALS}
-    lost = tuple(sorted(r for r, c in exit_codes.items() if c < 0 and c not in stopped))
-    if lost:
-        return LaunchOutcome(1, lost)
-    positive = [c for c in exit_codes.values() if c > 0]
-    return LaunchOutcome(max(positive) if positive else 1)
-
-
 def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str]) -> int:
     """The supervised run (see the module docstring), its ranks seeing `environment` (the
     store URL, the launch id); returns the exit code."""
+    from hexiseq.cli.run import fail_unended_runs
+    from hexiseq.runtime.launcher import launch  # torch: the ranks need it anyway
     from hexiseq.store import LAUNCH_ID_ENV
 
     launch_id = environment[LAUNCH_ID_ENV]
@@ -322,7 +279,7 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
                   "(a fault of the software, not of a device?)", file=sys.stderr)  # fmt: skip
             return outcome.code
         last_loss_step = step
-        fail_unended(args, launch_id, f"rank(s) {_ranks(outcome.lost)} lost (killed)")
+        fail_unended_runs(args, launch_id, f"rank(s) {_ranks(outcome.lost)} lost (killed)")
         detail = ", ".join(_device(plan, r) for r in outcome.lost) + " lost"
         replanned = replan_lost(plan, cost, outcome.lost, next(names))
         print(
@@ -373,7 +330,10 @@ def run_folder(args: argparse.Namespace, plan: Plan, launch_id: str) -> Path:
     problem = check_ranks([*args.inject_slowdown, *args.inject_failure], plan.cluster.world_size)
     if problem is not None:
         raise InputError(problem)
-    _check_checkpoint_support()
+    from hexiseq.runtime.launcher import checkpoint_support_error  # torch: the run needs it
+
+    if (problem := checkpoint_support_error()) is not None:
+        raise InputError(problem)
     folder = Path(args.run_dir or f"hexiseq-run-{launch_id[:8]}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -390,32 +350,8 @@ def run_folder(args: argparse.Namespace, plan: Plan, launch_id: str) -> Path:
     return folder
 
 
-def _check_checkpoint_support() -> None:
-    import torch
-    import torch.distributed.checkpoint as dcp
-
-    if not hasattr(dcp, "HuggingFaceStorageWriter"):
-        raise InputError(
-            f"--replan checkpoints with torch.distributed.checkpoint's safetensors storage, "
-            f"which torch {torch.__version__} lacks: install a newer torch (2.13 is tested)"
-        )
-
-
 def _ranks(ranks: tuple[int, ...]) -> str:
     return ", ".join(str(r) for r in ranks)
-
-
-def fail_unended(args: argparse.Namespace, launch_id: str, failure: str) -> None:
-    """The runs of this launch its ranks could not end (a rank lost): failed, with why."""
-    if args.no_store:
-        return
-    from hexiseq.store import Store
-
-    try:
-        with Store.open(args.store) as store:
-            store.fail_unended_runs(launch_id, failure)
-    except HexiseqError as error:
-        print(f"hexiseq run: could not record the lost launch: {error}", file=sys.stderr)
 
 
 def _device(plan: Plan, rank: int) -> str:

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
@@ -57,6 +57,7 @@ from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.store.base import (
     StoreBase,
     StoreMetaRow,
+    as_utc,
     check_optional_metric,
     check_plan_fields,
     utc_now,
@@ -161,13 +162,9 @@ class PlanRecord:
     @classmethod
     def from_row(cls, row: PlanRow) -> PlanRecord:
         """Copy the summary columns out of an ORM row; naive timestamps are read as UTC."""
-        created_at = row.created_at
-        # SQLite keeps no offset, so what comes back is the UTC wall time without tzinfo.
-        if created_at.tzinfo is None:
-            created_at = created_at.replace(tzinfo=timezone.utc)
         return cls(
             id=row.id,
-            created_at=created_at.astimezone(timezone.utc),
+            created_at=as_utc(row.created_at),
             label=row.label,
             cluster_name=row.cluster_name,
             model_name=row.model_name,

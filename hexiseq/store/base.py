@@ -30,6 +30,24 @@ def utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def as_utc(moment: datetime) -> datetime:
+    """A stored timestamp as timezone-aware UTC: SQLite keeps no offset, so what it gives
+    back is the UTC wall time without tzinfo."""
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=timezone.utc)
+    return moment.astimezone(timezone.utc)
+
+
+def check_json_text(field_name: str, text: object) -> None:
+    """Raise InputError unless `text` is a string holding valid JSON."""
+    if not isinstance(text, str):
+        raise InputError(f"{field_name} must be a JSON string, got {type(text).__name__}")
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as error:
+        raise InputError(f"{field_name} is not valid JSON: {error}") from None
+
+
 def check_optional_metric(field_name: str, value: float | None) -> None:
     """Raise InputError unless `value` is None or a finite number >= 0.
 
@@ -52,12 +70,7 @@ def check_plan_fields(
     cost_model: str,
 ) -> None:
     """Raise InputError unless the plan's JSON and summary fields can be stored as they are."""
-    if not isinstance(plan_json, str):
-        raise InputError(f"plan_json must be a JSON string, got {type(plan_json).__name__}")
-    try:
-        json.loads(plan_json)
-    except json.JSONDecodeError as error:
-        raise InputError(f"plan_json is not valid JSON: {error}") from None
+    check_json_text("plan_json", plan_json)
     named = {"label": label, "cluster_name": cluster_name, "model_name": model_name}
     for field_name, value in {**named, "cost_model": cost_model}.items():
         if not isinstance(value, str) or not value.strip():

@@ -4,7 +4,7 @@ documents of cost-model fits (`Store` gets these methods from `ProfileTables`)."
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import datetime
 
 from sqlalchemy import Boolean, DateTime, Float, ForeignKey, String, Text, UniqueConstraint, select
 from sqlalchemy.exc import IntegrityError
@@ -21,7 +21,7 @@ from hexiseq.profiles import (
     check_measurement,
     measurement_key,
 )
-from hexiseq.store.base import StoreBase, utc_now
+from hexiseq.store.base import StoreBase, as_utc, utc_now
 
 
 class ProfileRunRow(StoreBase):
@@ -127,10 +127,7 @@ class ProfileTables:
         runs: dict[int, tuple[int, datetime, list[ProfileMeasurement]]] = {}
         with self._session() as session:
             for run, row in session.execute(query.order_by(ProfileMeasurementRow.id)):
-                started_at = run.started_at
-                if started_at.tzinfo is None:  # SQLite keeps UTC wall time without offset
-                    started_at = started_at.replace(tzinfo=timezone.utc)
-                entry = runs.setdefault(run.id, (run.id, started_at, []))
+                entry = runs.setdefault(run.id, (run.id, as_utc(run.started_at), []))
                 entry[2].append(_measurement_from_row(row, self._display_url))
         return sorted(runs.values(), key=lambda entry: entry[0])
 

@@ -14,14 +14,14 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime
 from numbers import Integral, Real
 
 from sqlalchemy import DateTime, Float, String, Text, select
 from sqlalchemy.orm import Mapped, mapped_column
 
 from hexiseq.errors import InputError
-from hexiseq.store.base import StoreBase, utc_now
+from hexiseq.store.base import StoreBase, as_utc, check_json_text, utc_now
 
 REPLAN_REASONS = ("drift", "lost")
 """Why a launch re-planned: a rank measured slower than predicted, or a device lost."""
@@ -91,8 +91,8 @@ class Replan:
 
     def __post_init__(self) -> None:
         _check_text_fields(self)
-        _check_plan_json("old_plan_json", self.old_plan_json)
-        _check_plan_json("new_plan_json", self.new_plan_json)
+        check_json_text("old_plan_json", self.old_plan_json)
+        check_json_text("new_plan_json", self.new_plan_json)
         object.__setattr__(self, "lost_ranks", _checked_lost_ranks(self.lost_ranks))
         object.__setattr__(self, "measured_slowdowns", _checked_slowdowns(self.measured_slowdowns))
         if self.reason == "lost" and not self.lost_ranks:
@@ -132,14 +132,10 @@ class ReplanRecord(Replan):
     @classmethod
     def from_row(cls, row: ReplanRow) -> ReplanRecord:
         """Copy an ORM row out; the JSON columns back to a dict with int keys and a tuple."""
-        created_at = row.created_at
-        # SQLite keeps no offset: what comes back is the UTC wall time without tzinfo.
-        if created_at.tzinfo is None:
-            created_at = created_at.replace(tzinfo=timezone.utc)
         slowdowns = json.loads(row.measured_slowdowns_json)
         return cls(
             id=row.id,
-            created_at=created_at.astimezone(timezone.utc),
+            created_at=as_utc(row.created_at),
             launch_id=row.launch_id,
             step=row.step,
             reason=row.reason,
@@ -223,15 +219,6 @@ def _check_text_fields(replan: Replan) -> None:
     detail = replan.detail
     if not isinstance(detail, str) or not detail.strip() or len(detail.splitlines()) > 1:
         raise InputError(f"detail must be one non-empty line of text, got {detail!r}")
-
-
-def _check_plan_json(field_name: str, text: object) -> None:
-    if not isinstance(text, str):
-        raise InputError(f"{field_name} must be a JSON string, got {type(text).__name__}")
-    try:
-        json.loads(text)
-    except json.JSONDecodeError as error:
-        raise InputError(f"{field_name} is not valid JSON: {error}") from None
 
 
 def _is_rank(value: object) -> bool:

@@ -11,10 +11,11 @@ import pytest
 
 from hexiseq import plan_search
 from hexiseq.cli.run import replan_options
-from hexiseq.cli.supervise import Fleet, Watcher, outcome_of
+from hexiseq.cli.supervise import Fleet, Watcher
 from hexiseq.costmodel.datasheet import DatasheetCostModel
 from hexiseq.errors import InputError
 from hexiseq.injections import FailureInjection, SlowdownInjection
+from hexiseq.runtime.launcher import outcome_of
 from hexiseq.supervision import (
     claim_json,
     decision_path,

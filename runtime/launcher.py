@@ -1,0 +1,70 @@
+"""The ranks of a supervised run (`hexiseq run --replan`) launched on this machine by torch
+elastic's launcher, in the calling process, and how they ended: the supervisor
+(`hexiseq/cli/supervise.py`) needs to tell a lost device (a rank killed outright) from a
+failing run, which torchrun's exit code does not say.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+
+LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""How the launcher stops the ranks it gives up on: not a lost device."""
+
+
+@dataclass(frozen=True)
+class LaunchOutcome:
+    code: int
+    lost: tuple[int, ...] = ()
+    """Ranks killed by a signal not the launcher's (lost devices)."""
+
+
+def launch(arguments: list[str], world: int, launch_id: str) -> LaunchOutcome:
+    """Run `world` ranks of `python -m hexiseq.runtime.train arguments` on this machine until
+    they end (they see this process's environment), and say how: 0, lost ranks, or another
+    exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=world,
+        rdzv_backend="c10d",
+        rdzv_endpoint="127.0.0.1:0",
+        run_id=f"hexiseq-{launch_id[:8]}-{uuid.uuid4().hex[:8]}",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "hexiseq.runtime.train", *arguments)
+    except ChildFailedError as error:
+        return outcome_of({rank: failure.exitcode for rank, failure in error.failures.items()})
+    return LaunchOutcome(0)
+
+
+def outcome_of(exit_codes: dict[int, int]) -> LaunchOutcome:
+    """How a launch ended from its failed ranks' exit codes (negative: killed by signal -c):
+    ranks killed by a signal other than the launcher's are lost devices."""
+    stopped = {-int(s) for s in LAUNCHER_SIGNALS}
+    lost = tuple(sorted(r for r, c in exit_codes.items() if c < 0 and c not in stopped))
+    if lost:
+        return LaunchOutcome(1, lost)
+    positive = [c for c in exit_codes.values() if c > 0]
+    return LaunchOutcome(max(positive) if positive else 1)
+
+
+def checkpoint_support_error() -> str | None:
+    """Why this torch cannot checkpoint a supervised run (`checkpoint`), or None."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    if hasattr(dcp, "HuggingFaceStorageWriter"):
+        return None
+    return (
+        f"--replan checkpoints with torch.distributed.checkpoint's safetensors storage, which "
+        f"torch {torch.__version__} lacks: install a newer torch (2.13 is tested)"
+    )
