@@ -1,4 +1,4 @@
-"""Exact local stage: a MILP (scipy `milp`, HiGHS) for one grouping and ring order.
+"""Exact local stage: a MILP (HiGHS, `search._highs`) for one grouping and ring order.
 
 Heads are fixed per group beforehand (`greedy.split_heads`, exact for the time objective).
 Groups inside a node hold identical devices, and groups with the same devices, size and head
@@ -28,13 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from hexiseq.costmodel import memory_limit_bytes
 from hexiseq.costmodel.memory import RankShape, rank_memory
 from hexiseq.layout import AttentionLayout, apportion, build_zigzag_layout
 from hexiseq.search._evaluate import Problem, simulated
+from hexiseq.search._highs import Program, solve
 
 Group = tuple[int, ...]
 RELINEARIZATIONS = 2
@@ -408,18 +407,13 @@ class _Model:
         units = self._fastest_units(times, self._unit_ceilings(relaxed), bound_s)
         if units is None:
             return None
-        lower, upper = self._bounds().lb.copy(), self._bounds().ub.copy()
+        lower, upper = self._bounds()
         lower[self.u] = upper[self.u] = units
         rows = _Rows.without_last(rows)  # the time tolerance row: the units set the time
-        result = milp(
-            self._objective(self.utilization),
-            constraints=rows.constraint(self.size),
-            bounds=Bounds(lower, upper),
-            options={"time_limit": MILP_TIME_LIMIT_S},
-        )
-        if result.x is None:
+        program = rows.program(self._objective(self.utilization), lower, upper)
+        x = solve(program, time_limit_s=MILP_TIME_LIMIT_S)
+        if x is None:
             return None
-        x = result.x.copy()
         x[self.step] = float(np.max(self._finish_s(times, units)))
         return x
 
@@ -464,14 +458,11 @@ class _Model:
         objective = np.zeros(self.size + len(slack))
         weights = [len(self.classes[c].positions) for c, _ in slack]
         objective[self.size :] = weights
-        result = milp(
-            objective,
-            constraints=rows.constraint(self.size + len(slack)),
-            bounds=self._bounds(extra=len(slack)),
-            integrality=self._integrality(extra=len(slack)),
-            options={"time_limit": MILP_TIME_LIMIT_S},
+        program = rows.program(objective, *self._bounds(extra=len(slack)))
+        x = solve(
+            program, integer=self._integrality(extra=len(slack)), time_limit_s=MILP_TIME_LIMIT_S
         )
-        values = result.x[self.size :] if result.x is not None else np.zeros(len(slack))
+        values = x[self.size :] if x is not None else np.zeros(len(slack))
         return self._missing_by_rank(slack, values)
 
     def _missing_by_rank(self, slack, values) -> dict[int, int]:
@@ -590,22 +581,20 @@ class _Model:
 
     def _run(self, rows, column: int, relaxed: bool = False):
         """Minimize `column` under `rows`: the MILP, or its LP relaxation."""
-        result = milp(
-            self._objective(column),
-            constraints=rows.constraint(self.size),
-            bounds=self._bounds(),
-            integrality=None if relaxed else self._integrality(),
-            options={"time_limit": MILP_TIME_LIMIT_S, "mip_rel_gap": MILP_RELATIVE_GAP},
+        return solve(
+            rows.program(self._objective(column), *self._bounds()),
+            integer=None if relaxed else self._integrality(),
+            time_limit_s=MILP_TIME_LIMIT_S,
+            relative_gap=MILP_RELATIVE_GAP,
         )
-        return result.x
 
-    def _bounds(self, extra: int = 0) -> Bounds:
+    def _bounds(self, extra: int = 0) -> tuple[np.ndarray, np.ndarray]:
         lower = np.zeros(self.size + extra)
         upper = np.full(self.size + extra, np.inf)
         for c, cls in enumerate(self.classes):
             lower[self.u[c]] = cls.size
             upper[self.f[c]] = 1.0
-        return Bounds(lower, upper)
+        return lower, upper
 
     def _integrality(self, extra: int = 0) -> np.ndarray:
         integrality = np.zeros(self.size + extra)
@@ -714,7 +703,19 @@ class _Rows:
         copy.lower, copy.upper = rows.lower[:-1], rows.upper[:-1]
         return copy
 
-    def constraint(self, columns: int) -> LinearConstraint:
-        shape = (len(self.lower), columns)
-        matrix = coo_matrix((self.values, (self.rows, self.columns)), shape=shape).tocsr()
-        return LinearConstraint(matrix, self.lower, self.upper)
+    def program(self, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> Program:
+        """These rows, minimizing `cost` within the column bounds `lower`..`upper` (one
+        column each); the matrix column-wise, as HiGHS takes it."""
+        columns = np.asarray(self.columns, dtype=np.int32)
+        order = np.argsort(columns, kind="stable")
+        starts = np.searchsorted(columns[order], np.arange(len(cost) + 1)).astype(np.int32)
+        return Program(
+            cost=cost,
+            starts=starts,
+            rows=np.asarray(self.rows, dtype=np.int32)[order],
+            values=np.asarray(self.values, dtype=float)[order],
+            row_lower=np.asarray(self.lower, dtype=float),
+            row_upper=np.asarray(self.upper, dtype=float),
+            lower=lower,
+            upper=upper,
+        )

@@ -1,0 +1,72 @@
+"""search._highs: the local stage's programs solved by HiGHS directly, checked against scipy's
+`milp` (the same solver behind scipy's checks) on fresh random programs."""
+
+import numpy as np
+import pytest
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import csc_matrix
+
+from hexiseq.search._highs import Program, solve
+
+
+def _random_program(seed: int, rows: int = 12, columns: int = 6):
+    """min c·x over a random bounded polytope that holds x0 (so it is feasible)."""
+    rng = np.random.default_rng(seed)
+    matrix = rng.uniform(-1, 1, (rows, columns)) * (rng.random((rows, columns)) < 0.6)
+    x0 = rng.uniform(0, 5, columns)
+    upper_rows = matrix @ x0 + rng.uniform(0.1, 2, rows)
+    lower_rows = np.where(rng.random(rows) < 0.3, matrix @ x0 - rng.uniform(0.1, 2, rows), -np.inf)
+    cost = rng.uniform(-1, 1, columns)
+    lower, upper = np.zeros(columns), np.full(columns, 10.0)
+    return cost, matrix, lower_rows, upper_rows, lower, upper
+
+
+def _program(cost, matrix, lower_rows, upper_rows, lower, upper) -> Program:
+    sparse = csc_matrix(matrix)
+    return Program(
+        cost, sparse.indptr, sparse.indices, sparse.data, lower_rows, upper_rows, lower, upper
+    )
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("integer", [False, True])
+def test_programs_match_scipy_milp(seed, integer):
+    cost, matrix, lower_rows, upper_rows, lower, upper = _random_program(seed)
+    integrality = np.full(len(cost), int(integer))
+    reference = milp(
+        cost,
+        constraints=LinearConstraint(matrix, lower_rows, upper_rows),
+        bounds=Bounds(lower, upper),
+        integrality=integrality,
+    )
+    x = solve(
+        _program(cost, matrix, lower_rows, upper_rows, lower, upper),
+        integer=integrality if integer else None,
+        relative_gap=1e-9,
+    )
+    assert reference.x is not None and x is not None
+    assert cost @ x == pytest.approx(reference.fun, rel=1e-7, abs=1e-9)
+    assert np.all(matrix @ x <= upper_rows + 1e-7) and np.all(matrix @ x >= lower_rows - 1e-7)
+    if integer:
+        assert np.allclose(x, np.round(x), atol=1e-6)
+
+
+def test_an_infeasible_program_has_no_answer():
+    # x0 + x1 >= 3 with both at most 1
+    program = _program(
+        np.ones(2), np.ones((1, 2)), np.array([3.0]), np.array([np.inf]), np.zeros(2), np.ones(2)
+    )
+    assert solve(program) is None
+    assert solve(program, integer=np.ones(2)) is None
+
+
+def test_time_limits_do_not_add_up_across_programs():
+    """HiGHS counts its time limit over every run of one solver: each program gets its own."""
+    program = _program(*_random_program(0))
+    answers = [solve(program, time_limit_s=1e-3) for _ in range(2000)]
+    assert all(answer is not None for answer in answers)
+
+
+def test_solving_writes_nothing_to_standard_output(capfd):
+    solve(_program(*_random_program(1)), integer=np.ones(6))
+    assert capfd.readouterr().out == ""
