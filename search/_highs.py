@@ -50,6 +50,9 @@ def solve(
     feasible point, if it has one."""
     highs = _Highs()  # one per program: HiGHS's time limit counts all runs of an instance
     highs.setOptionValue("output_flag", False)
+    if integer is None or not np.any(integer):
+        # an LP of tens of columns: presolving it costs more than it saves
+        highs.setOptionValue("presolve", "off")
     highs.setOptionValue("time_limit", float(min(time_limit_s, kHighsInf)))
     highs.setOptionValue("mip_rel_gap", float(relative_gap))
     highs.passModel(_lp(program, integer))

@@ -42,6 +42,7 @@ MILP_RELATIVE_GAP = 1e-6
 TIME_TOLERANCE = 1e-4  # the headroom stage may give up this much step time
 SECANT_TOLERANCE = 1e-3  # re-linearized times this close to the last ones change nothing
 BISECTION_TOLERANCE = 1e-7  # relative width at which the integer step-time search stops
+SEARCH_POINTS = 31  # step times tried at once in each round of that search
 
 
 @dataclass(frozen=True)
@@ -421,30 +422,35 @@ class _Model:
         """Integer units per class minimizing the step time under fixed memory ceilings:
         at a step time T each class may take between the units its ring traffic needs and
         the units its members finish by T (and its ceiling allows); the least T at which
-        those ranges can cover the sequence is found by bisection from the LP's bound, and
-        the units taken at it are trimmed (slowest class first) to the sequence's length."""
+        those ranges can cover the sequence is searched from the LP's bound (doublings, then
+        SEARCH_POINTS times at once per round until BISECTION_TOLERANCE), and the units taken
+        at it are trimmed (slowest class first) to the sequence's length."""
         counts = np.array([len(cls.positions) for cls in self.classes], dtype=float)
         need = self.total_units - counts.sum()  # leftover units go one per group
         ranges = _UnitRanges(self, times, np.floor(ceilings + 1e-9))
 
-        def feasible(step_s: float) -> bool:
+        def feasible(step_s: np.ndarray) -> np.ndarray:
             low, high = ranges.at(step_s)
-            return bool(
-                np.all(low <= high) and high @ counts >= need and low @ counts <= self.total_units
+            return (
+                np.all(low <= high, axis=1)
+                & (high @ counts >= need)
+                & (low @ counts <= self.total_units)
             )
 
-        high_s = max(bound_s, 1e-12)
-        for _ in range(64):
-            if feasible(high_s):
-                break
-            high_s *= 2.0
-        else:
+        start_s = max(bound_s, 1e-12)
+        doublings = start_s * 2.0 ** np.arange(64)
+        fits = np.flatnonzero(feasible(doublings))
+        if not len(fits):
             return None
-        low_s = bound_s * (1 - 1e-9)
+        high_s = doublings[fits[0]]
+        low_s = doublings[fits[0] - 1] if fits[0] else bound_s * (1 - 1e-9)
         while high_s - low_s > BISECTION_TOLERANCE * high_s:
-            middle = 0.5 * (low_s + high_s)
-            low_s, high_s = (low_s, middle) if feasible(middle) else (middle, high_s)
-        low, units = ranges.at(high_s)
+            points = np.linspace(low_s, high_s, SEARCH_POINTS + 2)[1:-1]
+            fits = feasible(points)
+            first = int(np.argmax(fits)) if fits.any() else len(points)
+            low_s = points[first - 1] if first else low_s
+            high_s = points[first] if first < len(points) else high_s
+        low, units = (row[0] for row in ranges.at(np.array([high_s])))
         while units @ counts > self.total_units:
             finish = np.where(units - 1 >= low, self._finish_s(times, units), -np.inf)
             units[int(np.argmax(finish))] -= 1
@@ -655,8 +661,9 @@ class _UnitRanges:
         self.total_tokens = float(model.problem.train.seq_len)
         self.block = 2.0 * model.quantum
 
-    def at(self, step_s: float) -> tuple[np.ndarray, np.ndarray]:
-        spare = step_s - self.fixed
+    def at(self, step_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(lowest, highest) units per class at each step time: two [times, classes]."""
+        spare = step_s[:, None] - self.fixed
         with np.errstate(divide="ignore", invalid="ignore"):
             busy_cap = np.where(self.per_unit > 0, spare / self.per_unit, np.inf)
             ring_need = np.where(
@@ -664,10 +671,10 @@ class _UnitRanges:
             )
         busy_cap = np.where(spare < 0, -1.0, busy_cap)
         high = np.minimum(
-            np.minimum.reduceat(np.floor(busy_cap + 1e-9), self.starts), self.ceilings
+            np.minimum.reduceat(np.floor(busy_cap + 1e-9), self.starts, axis=1), self.ceilings
         )
         low = np.maximum(
-            np.maximum.reduceat(np.ceil(ring_need - 1e-9), self.starts), self.smallest
+            np.maximum.reduceat(np.ceil(ring_need - 1e-9), self.starts, axis=1), self.smallest
         )
         return low, high
 
