@@ -59,11 +59,12 @@ def build_ring_tables(context: SimContext) -> RingTables:
     if group_count == 1:
         nothing = np.zeros_like(forward_s)
         return RingTables(None, forward_s, backward_s, nothing, nothing)
-    senders, dkv_senders = ring_senders(context.layout), dkv_ring_senders(context.layout)
+    senders = context.structural("ring senders", ring_senders)
+    dkv_senders = context.structural("dK/dV ring senders", dkv_ring_senders)
     lengths = np.broadcast_to(context.segment_lengths, (group_count, group_count))
     block_tokens = rows_by_step(lengths)  # [group, step] tokens of the block in hand
     element = context.train.compute_dtype_bytes
-    folds = fold_links(context.layout)
+    folds = context.structural("fold links", fold_links)
     return RingTables(
         senders,
         forward_s,

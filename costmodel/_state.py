@@ -7,7 +7,8 @@ events can be computed for all ranks at once instead of rank by rank.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -15,6 +16,8 @@ from hexiseq.cluster import Cluster
 from hexiseq.costmodel.base import CostModel
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec, TrainSpec
+
+T = TypeVar("T")
 
 BREAKDOWN_KEYS = (
     "linear_s",
@@ -54,6 +57,18 @@ class SimContext:
     segment_lengths: np.ndarray  # [group] tokens of the group's segment (int64)
     rank_order: np.ndarray  # ranks sorted by group, for per-group reductions
     group_starts: np.ndarray  # [group] where the group's ranks begin in `rank_order`
+    # Tables that depend only on the layout's groups and heads, kept by the caller across
+    # simulations (`simulate_step(..., shared=)`); a fresh dict keeps nothing.
+    shared: dict = field(default_factory=dict)
+
+    def structural(self, name: str, compute: Callable[[AttentionLayout], T]) -> T:
+        """`compute(layout)` of a table that depends on the layout's groups and heads only,
+        once per such structure among the simulations sharing `shared`."""
+        layout = self.layout
+        key = (name, layout.groups, layout.head_ranges, layout.num_heads, layout.num_kv_heads)
+        if key not in self.shared:
+            self.shared[key] = compute(layout)
+        return self.shared[key]
 
     def group_max(self, values: np.ndarray) -> np.ndarray:
         """[group] largest of the [rank] `values` over each group's members."""
@@ -61,7 +76,12 @@ class SimContext:
 
 
 def make_context(
-    cluster: Cluster, model: ModelSpec, train: TrainSpec, layout: AttentionLayout, cost: CostModel
+    cluster: Cluster,
+    model: ModelSpec,
+    train: TrainSpec,
+    layout: AttentionLayout,
+    cost: CostModel,
+    shared: dict | None = None,
 ) -> SimContext:
     """Gather the per-rank facts of `layout` on `cluster` once (O(N), no rank-by-rank lookups).
 
@@ -82,6 +102,7 @@ def make_context(
         bandwidth_GBps=bandwidth_GBps,
         latency_s=latency_s,
         slowdown=np.array([d.compute_slowdown for d in devices]),
+        shared={} if shared is None else shared,
         **_layout_arrays(layout),
     )
 
@@ -92,7 +113,7 @@ def _layout_arrays(layout: AttentionLayout) -> dict[str, np.ndarray]:
     group_of = np.empty(layout.world_size, dtype=np.int64)
     for group_index, members in enumerate(layout.groups):
         group_of[list(members)] = group_index
-    tokens = np.array([layout.num_tokens(r) for r in range(layout.world_size)], dtype=np.int64)
+    tokens = np.array(layout.token_counts, dtype=np.int64)
     segment_lengths = np.zeros(group_count, dtype=np.int64)
     np.add.at(segment_lengths, group_of, tokens)  # a valid layout's ranges are disjoint
     starts, ends = np.array(layout.head_ranges, dtype=np.int64).T

@@ -91,15 +91,20 @@ def simulate_step(
     layout: AttentionLayout,
     cost: CostModel,
     state_fractions: Sequence[float] | None = None,
+    *,
+    shared: dict | None = None,
 ) -> StepPrediction:
     """Predict one training step of `layout` on `cluster` under `cost`.
 
     `state_fractions` is each rank's share of the sharded model states (even when None).
+    `shared` is a dict the caller keeps to reuse, between simulations of layouts with the
+    same groups and heads, the tables that depend on nothing else (who sends which K/V
+    heads to whom on the ring): a search passes one per search.
     Raises ValueError when the layout does not fit the cluster or the model.
     """
     _check_compatible(cluster, model, layout)
     fractions = list(state_fractions or even_state_fractions(layout.world_size))
-    context = make_context(cluster, model, train, layout, cost)
+    context = make_context(cluster, model, train, layout, cost, shared)
     tables = _layer_tables(context, fractions)
     layer_ledger = Ledger(layout.world_size)
     forward_s = _simulate_layer(context, tables, layer_ledger, backward=False)

@@ -66,11 +66,21 @@ class AttentionLayout:
 
     def segment_length(self, group_index: int) -> int:
         """Number of tokens in the group's segment."""
-        return _total_length(self.segment(group_index))
+        return self.segment_lengths[group_index]
 
     def num_tokens(self, rank: int) -> int:
         """Number of tokens `rank` owns outside attention."""
-        return _total_length(self.token_ranges[rank])
+        return self.token_counts[rank]
+
+    @cached_property
+    def segment_lengths(self) -> tuple[int, ...]:
+        """[group] tokens in each group's segment, in ring order (counted once a layout)."""
+        return tuple(_total_length(self.segment(g)) for g in range(len(self.groups)))
+
+    @cached_property
+    def token_counts(self) -> tuple[int, ...]:
+        """[rank] tokens each rank owns outside attention (counted once a layout)."""
+        return tuple(_total_length(ranges) for ranges in self.token_ranges)
 
     def num_heads_of(self, rank: int) -> int:
         """Number of query heads `rank` owns inside attention."""

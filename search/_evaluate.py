@@ -58,7 +58,13 @@ def simulated(
     return problem.memo(
         ("simulate", problem.train, layout, fractions),
         lambda: simulate_step(
-            problem.cluster, problem.model, problem.train, layout, problem.cost, fractions
+            problem.cluster,
+            problem.model,
+            problem.train,
+            layout,
+            problem.cost,
+            fractions,
+            shared=problem.memo("simulation tables", dict),
         ),
     )
 

@@ -8,10 +8,15 @@ constraint matrix goes to HiGHS column-wise as built, into a fresh solver (40 us
 The solver is highspy's pybind class `_Highs`, not its `Highs` subclass: that one registers
 callbacks in its constructor, which logs HiGHS's banner to standard output before any option
 can be set, and `hexiseq plan --json` writes its answer there.
+
+HiGHS runs its MIP tasks on a process-wide thread pool. A forked child inherits the pool
+without its threads, and its first MIP would wait on them until the time limit; the child
+starts a fresh pool instead (`os.register_at_fork`).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +26,9 @@ from highspy._core import _Highs
 DEFAULT_RELATIVE_GAP = 1e-4  # HiGHS's own default
 _FEASIBLE = 2  # HiGHS's kSolutionStatusFeasible: the point found satisfies every row
 _STOPPED_WITH_POINT = {HighsModelStatus.kTimeLimit, HighsModelStatus.kIterationLimit}
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=lambda: _Highs.resetGlobalScheduler(True))
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,35 @@ def test_ring_steps_pass_the_runtime_block_shapes():
         assert list(q_tokens[:, 0]) == segments and list(kv_tokens[:, 0]) == segments
         assert (pairs[:, 0] == [s * (s + 1) // 2 for s in segments]).all()
         assert abs(q_tokens[:, 1:] * kv_tokens[:, 1:] - pairs[:, 1:]).max() < 1e-6
+
+
+def test_tables_shared_between_simulations_change_no_prediction():
+    """Layouts with the same groups and heads reuse their ring-sender tables through `shared`;
+    a layout with other heads gets its own. Every prediction equals an unshared simulation."""
+    cluster = Cluster.from_dict(
+        {
+            "name": "four",
+            "nodes": [
+                {"name": "a", "gpu": "A100-80G", "count": 2},
+                {"name": "b", "gpu": "H100-SXM", "count": 2},
+            ],
+            "network": {"inter_node_GBps": 25},
+        }
+    )
+    model = ModelSpec(
+        name="m", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn_hidden=512, vocab=64
+    )
+    train = TrainSpec(seq_len=4096, activation_checkpointing=False)
+    groups, weights = [[0, 1], [2, 3]], [[1, 1], [1, 1]]
+    layouts = [
+        build_zigzag_layout(4096, 4, 2, groups, [1024, 3072], weights, [[3, 1], [2, 2]]),
+        build_zigzag_layout(4096, 4, 2, groups, [2560, 1536], weights, [[3, 1], [2, 2]]),
+        build_zigzag_layout(4096, 4, 2, groups, [2560, 1536], weights, [[2, 2], [1, 3]]),
+    ]
+    cost, shared = DatasheetCostModel(), {}
+    for layout in layouts:
+        alone = simulate_step(cluster, model, train, layout, cost)
+        together = simulate_step(cluster, model, train, layout, cost, shared=shared)
+        assert together.rank_times == alone.rank_times
+        assert together.step_time_s == alone.step_time_s
+    assert len(shared) == 3 * 2  # senders, dK/dV senders, folds: two head splits

@@ -1,6 +1,10 @@
 """search._highs: the local stage's programs solved by HiGHS directly, checked against scipy's
 `milp` (the same solver behind scipy's checks) on fresh random programs."""
 
+import os
+import select
+import signal
+
 import numpy as np
 import pytest
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -70,3 +74,24 @@ def test_time_limits_do_not_add_up_across_programs():
 def test_solving_writes_nothing_to_standard_output(capfd):
     solve(_program(*_random_program(1)), integer=np.ones(6))
     assert capfd.readouterr().out == ""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_solves_a_milp():
+    """HiGHS's MIP thread pool does not survive a fork: a child that used the parent's would
+    wait on it forever (the benchmarks fork workers after the parent has solved MILPs)."""
+    program, integer = _program(*_random_program(3, rows=30, columns=12)), np.ones(12)
+    assert solve(program, integer=integer) is not None  # the parent's pool is up
+    reader, writer = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover - runs in the child
+        found = solve(program, integer=integer) is not None
+        os.write(writer, str(found).encode())
+        os._exit(0)
+    os.close(writer)
+    answered, _, _ = select.select([reader], [], [], 60.0)
+    if not answered:
+        os.kill(child, signal.SIGKILL)
+    os.waitpid(child, 0)
+    assert answered, "the forked child never finished its MILP"
+    assert os.read(reader, 10) == b"True"
