@@ -3,7 +3,8 @@ other through the run's folder, one subfolder per launch (`launch_folder`: a ste
 again after a lost device never meets an earlier launch's files). Files are written whole
 (temporary file, then rename), so neither side ever reads half of one.
 
-- `steps.jsonl`: rank 0 appends one line per step: step, loss, step time, plan name.
+- `steps.jsonl`: rank 0 appends one line per step: step, loss, step time, plan name and, once
+  the drift monitor has its baseline, every rank's relative drift.
 - `drift-<step>.json`: rank 0, when some rank changed speed (`runtime._drift.Drift`).
 - `decision-<step>.json`: the answer to that drift, created once (`claim_json`): by the
   supervisor, {"action": "replan", "plan": path} (the ranks checkpoint after that step and go

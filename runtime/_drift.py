@@ -68,6 +68,8 @@ class DriftMonitor:
     slowed: Sequence[bool]
     """Per rank: already measured slow (its plan's device has a measured slowdown > 1)."""
     threshold: float = DEFAULT_DRIFT_THRESHOLD
+    last_drift: tuple[float, ...] | None = None
+    """Each rank's relative drift at the last step observed (None before the baseline)."""
     _ratios: list[tuple[float, ...]] = field(default_factory=list)
     _baseline: tuple[float, ...] | None = None
     _streak: dict[int, int] = field(default_factory=dict)
@@ -92,6 +94,7 @@ class DriftMonitor:
         own = [r / b if b > 0 else 1.0 for r, b in zip(ratios, self._baseline, strict=True)]
         typical = statistics.median_low(own) or 1.0  # no rank timed anything: no drift
         drift = tuple(value / typical for value in own)
+        self.last_drift = drift
         changed = {}
         for rank, value in enumerate(drift):
             moved = value >= self.threshold or (self.slowed[rank] and value <= 1 / self.threshold)
@@ -106,3 +109,4 @@ class DriftMonitor:
         """Take the present speeds as the new start (a re-plan was declined)."""
         self._baseline = self._ratios[-1] if self._ratios else None
         self._streak.clear()
+        self.last_drift = None

@@ -472,17 +472,18 @@ def _steps(
         gathered = [None] * context.world_size
         dist.all_gather_object(gathered, (measurement, padding.device_s - device_s))
         rows = [row for row, _ in gathered]
+        drift = None if monitor is None else monitor.observe(step, [b for _, b in gathered])
         if store is not None:
             store.add_runtime_measurements(run_id, rows)
         if context.rank == 0:
             print(describe_step(rows), flush=True)
             if options.replan_dir is not None:
-                supervision.append_step(options.replan_dir, step_entry(plan, rows))
+                entry = step_entry(plan, rows, None if monitor is None else monitor.last_drift)
+                supervision.append_step(options.replan_dir, entry)
         done = step + 1
         saved = done < options.steps and _checkpoint_due(options, done)
         if saved:
             save_plan_checkpoint(plan, options, context, model, optimizer, done)
-        drift = None if monitor is None else monitor.observe(step, [b for _, b in gathered])
         if drift is not None and done < options.steps:
             decision = ask_supervisor(options, context, drift)
             if decision["action"] == "replan":  # `supervision.read_decision`: with its plan
@@ -574,8 +575,12 @@ def wait_for_decision(folder: str, step: int) -> dict:
     return supervision.read_decision(path)
 
 
-def step_entry(plan: Plan, rows: list[RuntimeMeasurement]) -> dict:
-    return {
+def step_entry(
+    plan: Plan, rows: list[RuntimeMeasurement], drift: Sequence[float] | None = None
+) -> dict:
+    """One line of the supervised run's step log; `drift`: each rank's relative drift at
+    this step (`_drift.DriftMonitor.last_drift`), where the monitor has its baseline."""
+    entry = {
         "step": rows[0].step,
         "loss": rows[0].loss,
         "step_time_s": max(row.step_time_s for row in rows),
@@ -583,6 +588,9 @@ def step_entry(plan: Plan, rows: list[RuntimeMeasurement]) -> dict:
         "world_size": len(rows),
         "ended_unix_s": time.time(),  # wall clock: restarts between steps show in a benchmark
     }
+    if drift is not None:
+        entry["drift"] = [round(value, 4) for value in drift]
+    return entry
 
 
 def check_launcher(launcher_pid: int) -> None:

@@ -121,3 +121,13 @@ def test_one_fast_start_step_is_not_the_start():
     monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
     start = [[9.0, 9.0, 9.0], [1.0, 2.0, 4.0], [0.5, 2.0, 4.0], [1.0, 2.0, 4.0]]
     assert feed(monitor, start + [[1.0, 2.0, 4.0]] * (PATIENCE + 2)) == {}
+
+
+def test_the_last_drift_of_every_rank_is_kept_for_the_step_log():
+    monitor = DriftMonitor(PREDICTED, [False] * 3, threshold=1.3)
+    feed(monitor, [[1.0, 2.0, 4.0]] * (1 + BASELINE_STEPS))
+    assert monitor.last_drift is None  # no baseline before these steps are in
+    feed(monitor, [[1.2, 2.0, 4.0]], first_step=1 + BASELINE_STEPS)
+    assert monitor.last_drift == pytest.approx((1.2, 1.0, 1.0))
+    monitor.rebase()
+    assert monitor.last_drift is None
