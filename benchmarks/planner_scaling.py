@@ -1,8 +1,8 @@
 """How long the default `plan_search` takes as clusters grow in GPUs and in GPU types.
 
 The default search (the greedy stage's short list, each candidate's heads and loads solved by
-the local MILP, plus the homogeneous baselines) must stay interactive: the goals are at most
-0.5 s at 128 GPUs of 4 types (aim 0.1 s) and at most 5 s at 1024 GPUs of any mix.
+the local stage, the polish, plus the baselines) must stay interactive: the goals (issue 13)
+are at most 0.1 s for every cluster up to 128 GPUs and at most 1 s at 1024 GPUs of any mix.
 
 Clusters: nodes of 8 GPUs, GPU types assigned round-robin by node from `GPU_CYCLE` (the first
 k for k types); where nodes of 8 would leave a type out, nodes shrink to 4 or 2 GPUs (16 GPUs
