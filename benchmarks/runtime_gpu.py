@@ -236,7 +236,13 @@ def side_result(outcome: dict, times: list, peaks: list, losses: list, steps: in
         else:
             status = f"failed: {_error_line(output)}"
     first_loss = losses[0] if losses else None
-    return {"status": status, "step_times_s": times, "peaks": peaks, "loss_first": first_loss}
+    result = {"status": status, "step_times_s": times, "peaks": peaks, "loss_first": first_loss}
+    if status != "ok":
+        result["output_tail"] = outcome["output"][-OUTPUT_TAIL_CHARS:]
+    return result
+
+
+OUTPUT_TAIL_CHARS = 4000  # of a failed side's output, kept in the saved rows
 
 
 def _error_line(output: str) -> str:
@@ -348,22 +354,56 @@ def measure(args: argparse.Namespace, device_kind: str, gpu: str, on_row) -> lis
     model, rows = ModelSpec.preset(args.model), []
     steps = args.warmup + args.steps
     limits = {"timeout_s": args.timeout, "threads": args.threads if device_kind == "cpu" else None}
+    cases = [(n, c, True) for n in args.lengths for c in CHECKPOINTING[args.checkpointing]]
+    if args.near_cap:
+        cases.append((near_cap_length(gpu, model), False, False))
     with tempfile.TemporaryDirectory() as scratch:
-        for seq_len in args.lengths:
-            for checkpointing in (False, True):
-                plan, note = one_device_plan(gpu, model, seq_len, checkpointing, args.force)
-                row = {"seq_len": seq_len, "checkpointing": checkpointing, "plan": note}
-                if plan is not None:
-                    name = f"{seq_len}-{'ckpt' if checkpointing else 'full'}"
-                    path, store = Path(scratch, f"{name}.json"), f"sqlite:///{scratch}/{name}.db"
-                    plan.to_json(path)
-                    row["predicted_step_s"] = plan.predicted.step_time_s
-                    row["hexiseq"] = run_hexiseq(path, store, device_kind, steps, limits)
+        for seq_len, checkpointing, with_reference in cases:
+            plan, note = one_device_plan(gpu, model, seq_len, checkpointing, args.force)
+            row = {"seq_len": seq_len, "checkpointing": checkpointing, "plan": note}
+            if plan is not None:
+                name = f"{seq_len}-{'ckpt' if checkpointing else 'full'}"
+                path, store = Path(scratch, f"{name}.json"), f"sqlite:///{scratch}/{name}.db"
+                plan.to_json(path)
+                row |= predicted_fields(plan)
+                row["hexiseq"] = run_hexiseq(path, store, device_kind, steps, limits)
+                if with_reference:
                     row["reference"] = run_reference(path, device_kind, steps, limits)
-                print(_progress(row, args.warmup), flush=True)
-                rows.append(row)
-                on_row(rows)
+            print(_progress(row, args.warmup), flush=True)
+            rows.append(row)
+            on_row(rows)
     return rows
+
+
+CHECKPOINTING = {"both": (False, True), "off": (False,), "on": (True,)}
+NEAR_CAP_STEP_TOKENS = 1024
+
+
+def near_cap_length(gpu: str, model: ModelSpec) -> int:
+    """The longest sequence, in steps of 1024 tokens, whose one-device plan without
+    checkpointing the planner passes (under its memory cap): the run that shows whether a
+    plan at the cap really fits."""
+    fits = lambda n: one_device_plan(gpu, model, n, False, force=False)[0] is not None  # noqa: E731
+    low, high = 0, 1
+    while fits(high * NEAR_CAP_STEP_TOKENS):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle * NEAR_CAP_STEP_TOKENS) else (low, middle)
+    if low == 0:
+        raise SystemExit(f"runtime_gpu: error: no plan of {model.name} fits one {gpu}")
+    return low * NEAR_CAP_STEP_TOKENS
+
+
+def predicted_fields(plan: Plan) -> dict:
+    """What the plan predicts for its one rank: step time, peak memory and its terms."""
+    rank = plan.predicted.ranks[0]
+    return {
+        "predicted_step_s": plan.predicted.step_time_s,
+        "predicted_peak_bytes": rank.memory_bytes,
+        "predicted_memory_fraction": rank.memory_fraction,
+        "predicted_memory_terms": dict(rank.memory_terms),
+    }
 
 
 def _progress(row: dict, warmup: int) -> str:
@@ -575,6 +615,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="N",
         help="CPU only: torch threads of each side (default 1: the same for both, and steady "
         "on a shared machine)",
+    )
+    add(
+        "--checkpointing",
+        choices=tuple(CHECKPOINTING),
+        default="both",
+        help="rows with activation checkpointing off, on or both (default)",
+    )
+    add(
+        "--near-cap",
+        action="store_true",
+        help="add a hexiseq-only row without checkpointing at the longest length the planner "
+        "passes on this GPU (just under its memory cap)",
     )
     add("--timeout", type=float, default=300.0, metavar="S", help="limit per subprocess")
     add("--no-write", action="store_true", help="do not update RESULTS.md")

@@ -76,6 +76,7 @@ from hexiseq.injections import (
 from hexiseq.plan import Plan
 from hexiseq.runtime._drift import Drift, DriftMonitor
 from hexiseq.runtime._emulation import ComputePadding, GpuPhases
+from hexiseq.runtime._torch_profile import profiled_step
 from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placement_error: API)
     FoundDevice,
     check_world_size,
@@ -131,6 +132,7 @@ class TrainOptions:
     drift_threshold: float = supervision.DEFAULT_DRIFT_THRESHOLD
     slowdowns: tuple[SlowdownInjection, ...] = ()
     failures: tuple[FailureInjection, ...] = ()
+    torch_profile: str | None = None  # write the last step's torch.profiler table here
 
     @property
     def watches_drift(self) -> bool:
@@ -202,6 +204,12 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         "plan's state fractions (what the memory model counts; 'fsdp2' is its former name); "
         "replicated: every rank holds all, gradients all-reduced",
     )
+    parser.add_argument(
+        "--torch-profile",
+        metavar="PATH",
+        help="profile the last step with torch.profiler and write its operator table "
+        "(self device time first) to PATH (rank r > 0: PATH.rank<r>)",
+    )
     _add_supervision_flags(parser)
     args = parser.parse_args(argv)
     if args.steps < 1:
@@ -228,6 +236,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         drift_threshold=args.drift_threshold,
         slowdowns=tuple(args.inject_slowdown),
         failures=tuple(args.inject_failure),
+        torch_profile=args.torch_profile,
     )
 
 
@@ -465,9 +474,11 @@ def _steps(
         check_launcher(launcher_pid)
         apply_injections(options, context, padding, step)
         device_s = padding.device_s
-        measurement = measure_step(
-            plan, options, context, model, optimizer, padding, positions, step, sharded
-        )
+        profile_to = options.torch_profile if step == options.steps - 1 else None
+        with profiled_step(profile_to, context.rank, context.device):
+            measurement = measure_step(
+                plan, options, context, model, optimizer, padding, positions, step, sharded
+            )
         padding.settle()  # the step synchronized: its GPU phases are timed
         gathered = [None] * context.world_size
         dist.all_gather_object(gathered, (measurement, padding.device_s - device_s))
