@@ -76,13 +76,13 @@ from hexiseq.injections import (
 from hexiseq.plan import Plan
 from hexiseq.runtime._drift import Drift, DriftMonitor
 from hexiseq.runtime._emulation import ComputePadding, GpuPhases
-from hexiseq.runtime._torch_profile import profiled_step
 from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placement_error: API)
     FoundDevice,
     check_world_size,
     placement_error,
     rank_start_error,
 )
+from hexiseq.runtime._torch_profile import profiled_step
 from hexiseq.runtime.attention import CPHPAttention
 from hexiseq.runtime.kernels import take_used_kernels
 from hexiseq.runtime.loss import (
