@@ -474,7 +474,43 @@ def render(report: dict) -> str:
         "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     lines += [_table_row(row, model, peak_flops, meta) for row in report["rows"]]
-    return "\n".join([*lines, "", *_notes(report, model)])
+    return "\n".join([*lines, "", *_notes(report, model), *_prediction_table(report)])
+
+
+def _prediction_table(report: dict) -> list[str]:
+    """The plan's predictions against hexiseq's measured step and peak (issue 11), for rows
+    saved with them. The peak is compared without the model's `reserve` term (the CUDA
+    context and the allocator's slack, outside `max_memory_allocated`)."""
+    warmup = report["meta"]["warmup"]
+    rows = [r for r in report["rows"] if "predicted_peak_bytes" in r and r.get("hexiseq")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Predicted by the plan (datasheet cost model) against measured, hexiseq's side:",
+        "",
+        "| tokens | ckpt | predicted s | measured s | measured / predicted | predicted "
+        "allocated GiB | measured GiB | error | with reserve: % of card |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        ours = Side.of(row["hexiseq"], warmup)
+        if ours.step_s is None or ours.peak_bytes is None:
+            continue
+        allocated = row["predicted_peak_bytes"] - row["predicted_memory_terms"].get("reserve", 0)
+        cells = [
+            f"{row['seq_len']:,}",
+            "on" if row["checkpointing"] else "off",
+            f"{row['predicted_step_s']:.3f}",
+            f"{ours.step_s:.3f}",
+            f"{ours.step_s / row['predicted_step_s']:.2f}x",
+            f"{allocated / GIB:.2f}",
+            f"{ours.peak_bytes / GIB:.2f}",
+            f"{100 * (allocated / ours.peak_bytes - 1):+.1f} %",
+            f"{100 * row['predicted_memory_fraction']:.1f} %",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def _intro(meta: dict, model: ModelSpec, peak_flops: float | None) -> str:
@@ -531,8 +567,12 @@ def _against_reference(ours: Side, ref: Side, our_value, ref_value) -> str:
     """met when hexiseq finished with a value no higher than the reference's; running out of
     memory counts against the side that did; a reference that failed otherwise decides
     nothing."""
+    if ours.status == "not run":
+        return "— (no plan)"
     if not ours.ok:
         return "missed"
+    if ref.status == "not run":
+        return "— (hexiseq only)"
     if ref.status.startswith("OOM"):
         return f"met (reference {ref.status})"
     if not ref.ok:
@@ -543,7 +583,7 @@ def _against_reference(ours: Side, ref: Side, our_value, ref_value) -> str:
 def _mfu_target(ours: Side, seq_len: int, flops: float, peak_flops, cpu: bool) -> str:
     if cpu:
         return "n/a (CPU)"
-    if seq_len < MFU_TARGET_FROM_TOKENS:
+    if seq_len < MFU_TARGET_FROM_TOKENS or ours.status == "not run":
         return "—"
     if peak_flops is None:
         return "unknown"
@@ -742,6 +782,8 @@ def _merge(reports: list[dict]) -> dict:
     """Saved reports of one device and model as one (a later row replaces an earlier one)."""
     rows = {(r["seq_len"], r["checkpointing"]): r for report in reports for r in report["rows"]}
     meta = dict(reports[-1]["meta"], took_s=sum(r["meta"]["took_s"] for r in reports))
+    commands = list(dict.fromkeys(r["meta"]["command"] for r in reports))
+    meta["command"] = "` then `".join(commands)
     return {"meta": meta, "rows": [rows[key] for key in sorted(rows)]}
 
 
