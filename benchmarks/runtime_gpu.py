@@ -170,11 +170,14 @@ def one_device_plan(gpu: str, model: ModelSpec, seq_len: int, checkpointing: boo
 # --- the two sides --------------------------------------------------------------------------
 
 
-def run_hexiseq(plan_path: Path, store_url: str, device: str, steps: int, limits: dict):
+def run_hexiseq(
+    plan_path: Path, store_url: str, device: str, steps: int, limits: dict, compiled: bool
+):
     """Run the plan under torchrun as a user does; its rows from the store (`side_result`)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "1", "-m", "hexiseq.runtime.train", "--plan", str(plan_path)]
     command += ["--steps", str(steps), "--store", store_url, "--device", device]
+    command += ["--compile"] if compiled else []
     outcome = _run(command, **limits)
     rows = []
     with Store.open(store_url) as store:
@@ -354,7 +357,10 @@ def measure(args: argparse.Namespace, device_kind: str, gpu: str, on_row) -> lis
     model, rows = ModelSpec.preset(args.model), []
     steps = args.warmup + args.steps
     limits = {"timeout_s": args.timeout, "threads": args.threads if device_kind == "cpu" else None}
-    cases = [(n, c, True) for n in args.lengths for c in CHECKPOINTING[args.checkpointing]]
+    with_reference = not args.hexiseq_only
+    cases = [
+        (n, c, with_reference) for n in args.lengths for c in CHECKPOINTING[args.checkpointing]
+    ]
     if args.near_cap:
         cases.append((near_cap_length(gpu, model), False, False))
     with tempfile.TemporaryDirectory() as scratch:
@@ -366,7 +372,7 @@ def measure(args: argparse.Namespace, device_kind: str, gpu: str, on_row) -> lis
                 path, store = Path(scratch, f"{name}.json"), f"sqlite:///{scratch}/{name}.db"
                 plan.to_json(path)
                 row |= predicted_fields(plan)
-                row["hexiseq"] = run_hexiseq(path, store, device_kind, steps, limits)
+                row["hexiseq"] = run_hexiseq(path, store, device_kind, steps, limits, args.compile)
                 if with_reference:
                     row["reference"] = run_reference(path, device_kind, steps, limits)
             print(_progress(row, args.warmup), flush=True)
@@ -663,6 +669,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="rows with activation checkpointing off, on or both (default)",
     )
     add(
+        "--hexiseq-only",
+        action="store_true",
+        help="run hexiseq's side only (the reference's figures of an earlier run stand)",
+    )
+    add(
+        "--compile",
+        action="store_true",
+        help="run hexiseq with --compile (RMSNorm and SwiGLU math through torch.compile)",
+    )
+    add(
         "--near-cap",
         action="store_true",
         help="add a hexiseq-only row without checkpointing at the longest length the planner "
@@ -737,6 +753,7 @@ def _measure_report(args: argparse.Namespace, argv: list[str]) -> dict:
         "model": args.model,
         "warmup": args.warmup,
         "steps": args.steps,
+        "compiled": args.compile,
         "threads": args.threads if device["kind"] == "cpu" else None,
         "load_average": [os.getloadavg()[0]],
     }

@@ -32,8 +32,9 @@ kernels every masked pair is counted, keys are read once, and the fit finds the 
 
 These are the features of the CPU (and of any device the catalog does not know). A catalog GPU
 gets GPU-shaped ones (`hexiseq.costmodel._gpu_features`): wave quantization over its SMs and
-FlashAttention-2's tiles instead of cache terms and CPU flash tiles. `measurement_features`
-picks by the row's device type; a fit names the features it used (`feature_names`).
+FlashAttention-2's or cuDNN's tiles instead of cache terms and CPU flash tiles.
+`measurement_features` picks by the row's device type; a fit names the features it used
+(`feature_names`).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def size_key(op: str, measurement: ProfileMeasurement) -> float:
 
 def feature_names(measurement: ProfileMeasurement) -> tuple[str, ...]:
     """The features `measurement_features` gives this row: a catalog GPU's (`GPU_OP_FEATURES`,
-    attention only on the FlashAttention-2 kernel of a GPU with a known SM count), else the
+    attention only on a kernel whose grid is known, on a GPU with a known SM count), else the
     CPU's (`OP_FEATURES`)."""
     op, kernel = measurement.op, measurement.extra.get("kernel")
     if uses_gpu_features(op, gpu_traits(measurement.device_type), kernel):
@@ -158,7 +159,7 @@ def _gpu_measurement_features(
     features = flash_attention_features(
         q_len, kv_len, heads, head_dim, causal=bool(m.params["causal"]),
         backward=m.op == "attention_bwd", calls=1.0, element_size=element_bytes(m.dtype),
-        sm_count=traits.sm_count,
+        sm_count=traits.sm_count, kernel=m.extra.get("kernel"),
     )  # fmt: skip
     return tuple(float(value) for value in features)
 

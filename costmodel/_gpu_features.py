@@ -10,17 +10,22 @@ makes the CTAs unequal. Features, per op family:
   CACM 52(4), 2009): below the ridge a GEMM is bound by memory, and the bytes its compute time
   cannot hide add time. cuBLAS picks its tiles and schedules (persistent kernels on Hopper) by
   heuristics we cannot see, so no tile term is modelled for it.
-- attention_fwd, attention_bwd (FlashAttention-2, the `cuda_flash` kernel): the schedule of
-  the kernel's own grid over the SMs, computed from its tile sizes (`flash_schedule`): the
-  FLOPs of the tiles the critical slot (the one that ends last) runs while another CTA shares
-  its SM and while it runs alone, the (query, key) pairs of those tiles (softmax work that does
-  not grow with head_dim), the CTAs it runs (each loads its Q / K-V block and writes its output
-  once), the bytes of q, k, v, o (+ dO, dq, dk, dv backward; + the split-KV partial outputs)
-  and the kernel calls.
-- elementwise: bytes read + written, kernel calls, and the bytes of a call beyond the L2
-  capacity, max(0, bytes - L2): what the previous call left in the L2 is read from there,
-  the rest streams from HBM.
-The calls term is the fixed cost of a launch, as on the CPU.
+- attention_fwd, attention_bwd (FlashAttention-2, the `flash` kernel, and cuDNN's, `cudnn`):
+  the schedule of the kernel's own grid over the SMs, computed from its tile sizes
+  (`flash_schedule`): the FLOPs of the tiles the critical slot (the one that ends last) runs
+  while it shares a resource and while it runs alone (below), the (query, key) pairs of those
+  tiles (softmax work that does not grow with head_dim), the CTAs it runs (each loads its Q /
+  K-V block and writes its output once), the bytes of q, k, v, o (+ dO, dq, dk, dv backward;
+  + the split-KV partial outputs) and the kernel calls.
+- elementwise: bytes read + written, kernel calls, and the bytes of a call beyond a knee,
+  max(0, bytes - knee). The knee is the L2 capacity (what the previous call left in the L2 is
+  read from there, the rest streams from HBM) or, where the points put it lower, the size up
+  to which the launch floor hides the kernel (`hexiseq.costmodel._regression.fit_knee`).
+The calls term is the fixed cost of a launch, as on the CPU. A call timed by CUDA events
+costs at least the host's issue time of the call (~15 us for an elementwise add, ~40 us for
+cuDNN attention on an H200): the kernel's own time hides under it until it is longer, so time
+= max(floor, launch + work / rate), which the knee of elementwise and the calls term of the
+larger kernels stand for.
 
 FlashAttention-2 as PyTorch ships it (aten/src/ATen/native/transformers/cuda/flash_attn,
 from Dao, arXiv:2307.08691):
@@ -41,7 +46,19 @@ using 128 threads per block"; the kernels use up to 255 registers a thread, so a
 SM holds two), 1 for the 8-warp backward kernels. The block scheduler fills every SM's first
 slot before any second one, then gives each CTA, in launch order, to the first slot that is
 free (greedy list scheduling, Graham, SIAM J. Appl. Math. 17(2), 1969); a CTA's time is taken
-as proportional to its tiles.
+as proportional to its tiles. With two slots an SM, the critical slot's tiles are split into
+those run while the SM's other slot is busy (shared) and alone.
+
+cuDNN's fused attention on Hopper (`cudnn`; closed source, so its shape is taken from what
+its timings show and from FlashAttention-3's Hopper design, arXiv:2407.08608, which it
+resembles): 128 x 128 tiles for head_dim <= 128, one warp-specialized CTA per SM, the same
+grids as FlashAttention-2 (forward over query blocks, backward over key blocks), and no
+split-KV: a forward of few query blocks and many keys runs on a few SMs (on an H200, 512
+queries x 32 K keys x 8 heads takes 2.7x the time of 32 K queries x 512 keys). With one slot
+an SM, the shared tiles are the critical slot's share of the work while every SM is busy,
+(all tiles) / SMs, and the alone ones the tail beyond it, when fewer SMs are left to share
+the memory system and the power budget and a tile runs faster (on the H200 one CTA runs a
+128-dim tile in ~1.6 us on a quarter-busy GPU, ~1.75 us on a full one).
 """
 
 from __future__ import annotations
@@ -78,8 +95,14 @@ GPU_OP_FEATURES: dict[str, tuple[str, ...]] = {
 """Features of each compute op family on a GPU, in coefficient order (module docstring)."""
 
 FLASH_KERNELS = ("flash", "cuda_flash")
-"""Names of the attention kernel whose tiles `flash_schedule` knows (`hexiseq.kernels`, and
+"""Names of FlashAttention-2, whose tiles `flash_schedule` knows (`hexiseq.kernels`, and
 the name profile rows written before it carry)."""
+CUDNN_KERNELS = ("cudnn",)
+"""Names of cuDNN's fused attention, whose grid `flash_schedule` models too (module docstring)."""
+SCHEDULED_KERNELS = FLASH_KERNELS + CUDNN_KERNELS
+"""Attention kernels that get the GPU features."""
+CUDNN_TILE = (128, 128)
+"""Query rows x key columns of a cuDNN attention CTA's tile, forward and backward."""
 
 FORWARD_TILES = {
     32: (128, 128, 4), 64: (128, 128, 4), 96: (128, 64, 4), 128: (128, 64, 4),
@@ -126,12 +149,12 @@ def gpu_traits(device_type: str) -> GpuTraits | None:
 
 
 def uses_gpu_features(op: str, traits: GpuTraits | None, kernel: str | None) -> bool:
-    """Whether a family of `op` gets the GPU features: a catalog GPU, and for attention the
-    FlashAttention-2 kernel on a GPU whose SM count is known."""
+    """Whether a family of `op` gets the GPU features: a catalog GPU, and for attention a
+    kernel whose grid is known (`SCHEDULED_KERNELS`) on a GPU whose SM count is known."""
     if traits is None:
         return False
     if op.startswith("attention"):
-        return kernel in FLASH_KERNELS and traits.sm_count is not None
+        return kernel in SCHEDULED_KERNELS and traits.sm_count is not None
     return True
 
 
@@ -174,10 +197,13 @@ def flash_attention_features(
     calls: FloatOrArray,
     element_size: int,
     sm_count: int,
+    kernel: str | None = None,
 ) -> tuple[FloatOrArray, ...]:
-    """FlashAttention-2 features of `calls` blocks of `q_tokens` x `kv_tokens` each, `heads`
-    heads, causal (top-left, as `hexiseq.profiles.attention_pairs`) where `causal` is true.
-    Token and head counts are rounded to whole numbers (the kernel runs whole tokens)."""
+    """GPU attention features of `calls` blocks of `q_tokens` x `kv_tokens` each, `heads`
+    heads, causal (top-left, as `hexiseq.profiles.attention_pairs`) where `causal` is true,
+    on `kernel` (`SCHEDULED_KERNELS`; None: FlashAttention-2). Token and head counts are
+    rounded to whole numbers (the kernel runs whole tokens)."""
+    cudnn = kernel in CUDNN_KERNELS
     schedule = np.vectorize(_schedule_features, otypes=[np.float64] * 5)
     shared, alone, pairs, ctas, nbytes = schedule(
         np.maximum(np.rint(q_tokens), 1),
@@ -188,6 +214,7 @@ def flash_attention_features(
         backward,
         element_size,
         sm_count,
+        cudnn,
     )
     return tuple(
         _scalar_or_array(np.multiply(calls, feature))
@@ -205,12 +232,15 @@ def _schedule_features(
     backward: bool,
     element_size: int,
     sm_count: int,
+    cudnn: bool = False,
 ) -> tuple[float, float, float, float, float]:
     """One call's (shared FLOPs, alone FLOPs, pairs, CTAs, bytes) of the critical slot."""
     q_len, kv_len, heads = int(q_len), int(kv_len), int(heads)
     if heads == 0:
         return (0.0, 0.0, 0.0, 0.0, 0.0)
-    schedule = flash_schedule(q_len, kv_len, heads, head_dim, bool(causal), backward, sm_count)
+    schedule = flash_schedule(
+        q_len, kv_len, heads, head_dim, bool(causal), backward, sm_count, cudnn=cudnn
+    )
     padded_dim = _padded_head_dim(head_dim)
     tile_pairs = schedule.tile_rows * schedule.tile_cols
     tile_flops = 4.0 * tile_pairs * padded_dim  # hexiseq.flops: 4·D per pair forward
@@ -236,12 +266,12 @@ def _attention_bytes(q_len, kv_len, heads, head_dim, element_size, backward) -> 
 
 @dataclass(frozen=True)
 class FlashSchedule:
-    """The critical slot of one FlashAttention-2 call: the tiles it runs while its SM holds
-    another CTA (`shared_tiles`) and alone (`alone_tiles`), its CTAs, the tile shape
-    (query rows x key columns) and the number of KV splits (1: none)."""
+    """The critical slot of one attention call: the tiles it runs shared (while its SM holds
+    another CTA; one CTA an SM: its share of the work while every SM is busy) and alone, its
+    CTAs, the tile shape (query rows x key columns) and the number of KV splits (1: none)."""
 
-    shared_tiles: int
-    alone_tiles: int
+    shared_tiles: float
+    alone_tiles: float
     critical_ctas: int
     tile_rows: int
     tile_cols: int
@@ -256,9 +286,13 @@ def flash_schedule(
     causal: bool,
     backward: bool,
     sm_count: int,
+    *,
+    cudnn: bool = False,
 ) -> FlashSchedule:
-    """The critical slot of FlashAttention-2's grid on `sm_count` SMs (module docstring),
-    for a batch of one."""
+    """The critical slot of FlashAttention-2's grid, or with `cudnn` cuDNN's, on `sm_count`
+    SMs (module docstring), for a batch of one."""
+    if cudnn:
+        return _cudnn_schedule(q_len, kv_len, heads, causal, backward, sm_count)
     if backward:
         splits, (rows, cols, warps) = 1, BACKWARD_TILES[_padded_head_dim(head_dim)]
         ctas = _backward_tiles(q_len, kv_len, heads, rows, cols, causal)
@@ -268,6 +302,21 @@ def flash_schedule(
         ctas = _forward_tiles(q_len, kv_len, heads, rows, cols, splits, causal)
     shared, alone, count = critical_slot(ctas, sm_count, CTAS_PER_SM_BY_WARPS[warps])
     return FlashSchedule(shared, alone, count, rows, cols, splits)
+
+
+def _cudnn_schedule(
+    q_len: int, kv_len: int, heads: int, causal: bool, backward: bool, sm_count: int
+) -> FlashSchedule:
+    """cuDNN's grid (module docstring): one CTA an SM, so the critical slot's tiles split into
+    the balanced share, (all tiles) / SMs, and the tail beyond it."""
+    rows, cols = CUDNN_TILE
+    if backward:
+        ctas = _backward_tiles(q_len, kv_len, heads, rows, cols, causal)
+    else:
+        ctas = _forward_tiles(q_len, kv_len, heads, rows, cols, 1, causal)
+    shared, alone, count = critical_slot(ctas, sm_count, 1)
+    balanced = min(float(np.sum(ctas)) / sm_count, float(shared + alone))
+    return FlashSchedule(balanced, shared + alone - balanced, count, rows, cols, 1)
 
 
 def forward_splits(q_len: int, kv_len: int, heads: int, head_dim: int, sm_count: int) -> int:

@@ -103,6 +103,59 @@ def fit_effective_capacity(
     return best[0], best[1]
 
 
+KNEE_CANDIDATES = 48
+"""Log-spaced elementwise knees tried besides the L2 capacity and the given sizes."""
+
+
+def fit_knee(
+    features: np.ndarray,
+    seconds: np.ndarray,
+    per_call_bytes: np.ndarray,
+    calls: np.ndarray,
+    l2_bytes: float,
+) -> tuple[np.ndarray, float]:
+    """`fit_relative_nnls` of a GPU's elementwise features (bytes, calls, bytes beyond the
+    knee) with the last column rebuilt at the knee that fits best, and that knee.
+
+    A call timed by CUDA events costs max(floor, launch + bytes / bandwidth): the host's issue
+    time hides the kernel up to some size, then time grows with the bytes from HBM. The knee
+    of calls x max(0, bytes - knee) is where it starts to grow: the L2 capacity (the first
+    choice, as `fit_effective_capacity` keeps the hardware's), or another size: the given
+    sizes and `KNEE_CANDIDATES` log-spaced between the smallest and the largest. A knee is
+    admissible only if the line above it, at 0 bytes, leaves a launch time >= 0
+    (bytes-beyond coefficient x knee <= calls coefficient): a knee past the bytes the kernel
+    moves within the floor would need a negative launch time, which is what a knee at the L2
+    does when the L2 is larger than that. Another knee
+    than the L2 is kept when the L2 is not admissible or the other one cuts the mean
+    relative error below `CAPACITY_GAIN` x the L2's; ties go to the smaller knee. Only the
+    given points decide: the held-out fit passes its training points alone.
+    """
+
+    def fit_with(knee: float):
+        rebuilt = features.copy()
+        rebuilt[:, -1] = calls * np.maximum(per_call_bytes - knee, 0.0)
+        coefficients = fit_relative_nnls(rebuilt, seconds)
+        error = float(np.mean(relative_errors(rebuilt @ coefficients, seconds)))
+        admissible = coefficients[-1] * knee <= coefficients[1] * (1 + TIE_ERROR)
+        return coefficients, knee, error, admissible
+
+    hardware = fit_with(float(l2_bytes))
+    best = hardware if hardware[3] else None
+    sizes = np.unique(per_call_bytes[per_call_bytes > 0])
+    if len(sizes) == 0:
+        return hardware[0], hardware[1]
+    candidates = np.union1d(sizes, np.geomspace(sizes[0], sizes[-1], KNEE_CANDIDATES))
+    for knee in candidates:
+        fitted = fit_with(float(knee))
+        if not fitted[3] or (best is not None and fitted[2] >= best[2] - TIE_ERROR):
+            continue
+        if best is hardware and fitted[2] >= CAPACITY_GAIN * hardware[2]:
+            continue
+        best = fitted
+    best = best or hardware
+    return best[0], best[1]
+
+
 def relative_errors(predicted: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     """|predicted − measured| / measured, per point."""
     return np.abs(predicted - seconds) / seconds

@@ -3,7 +3,8 @@
 `fit_cost_model` turns the profiler's `ProfileMeasurement` rows into a `FittedDocument`:
 - per (device type, op family, dtype, emulation slowdown) an op-time regression that
   extrapolates: time = a·FLOPs + b·bytes + c·calls (+ cache terms on a CPU, wave and tile
-  terms on a GPU: `_features`, `_gpu_features`), non-negative, relative-error loss
+  terms and the elementwise knee on a GPU: `_features`, `_gpu_features`, `fit_knee`),
+  non-negative, relative-error loss
   (`hexiseq.costmodel._regression`); the final coefficients use every point;
 - per (link class, op) α + bytes/β, one to three size regimes;
 - held-out errors of each: extrapolation (fit on the smallest two thirds by size, predict the
@@ -55,11 +56,12 @@ from hexiseq.costmodel._fit_document import (
     goal_flags,
     stability_flags,
 )
-from hexiseq.costmodel._gpu_features import gpu_traits
+from hexiseq.costmodel._gpu_features import gpu_memory_bound_features, gpu_traits
 from hexiseq.costmodel._memory_fit import RuntimeSource, fit_memory, memory_points
 from hexiseq.costmodel._regression import (
     extrapolation_split,
     fit_effective_capacity,
+    fit_knee,
     fit_link,
     fit_relative_nnls,
     predict_link,
@@ -270,6 +272,13 @@ def _fit_points(op: str, points: _Points, rows) -> tuple[np.ndarray, tuple | Non
     terms; a GPU's L2 term takes the hardware's capacity)."""
     features, seconds = points.features[rows], points.seconds[rows]
     cpu_features = points.feature_names == OP_FEATURES[op]
+    if op == "elementwise" and points.cache_bytes is not None and not cpu_features:
+        bytes_moved, calls = features[:, 0], features[:, 1]
+        coefficients, knee = fit_knee(
+            features, seconds, bytes_moved / calls, calls, points.cache_bytes[0]
+        )
+        cache = (knee, points.cache_bytes[1])
+        return coefficients, cache, _with_capacity(op, points.features, cache)
     if op not in CACHED_OPS or points.cache_bytes is None or not cpu_features:
         return fit_relative_nnls(features, seconds), points.cache_bytes, points.features
     calls, per_call = _calls_and_bytes_per_call(op, features)
@@ -280,7 +289,10 @@ def _fit_points(op: str, points: _Points, rows) -> tuple[np.ndarray, tuple | Non
 
 
 def _with_capacity(op: str, features: np.ndarray, cache: tuple | None) -> np.ndarray:
-    """`features` with the cache terms taken at the capacities `cache` (CPU features)."""
+    """`features` with the cache terms taken at the capacities `cache` (CPU features), or a
+    GPU's elementwise knee term at the knee `cache[0]`."""
+    if cache is not None and op == "elementwise" and features.shape[1] == 3:
+        return np.column_stack(gpu_memory_bound_features(features[:, 0], features[:, 1], cache[0]))
     if cache is None or op not in CACHED_OPS or features.shape[1] != len(OP_FEATURES[op]):
         return features
     calls, per_call = _calls_and_bytes_per_call(op, features)

@@ -310,6 +310,7 @@ def _flash_features(fit: OpFit, pairs, heads, head_dim, q_tokens, kv_tokens, cal
     return flash_attention_features(
         q, kv, heads, head_dim, causal=causal, backward=fit.op == "attention_bwd",
         calls=calls, element_size=element_bytes(fit.dtype), sm_count=fit.sm_count,
+        kernel=fit.attention_kernel,
     )  # fmt: skip
 
 

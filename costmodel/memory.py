@@ -264,6 +264,7 @@ class RankShape:
     kv_heads: int
     largest_block: int
     is_cpu: bool = False
+    ring_groups: int = 3  # groups in the ring; 2 holds fewer blocks in flight (ring buffers)
 
 
 def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
@@ -284,6 +285,7 @@ def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
                 kv_heads=high - low,
                 largest_block=largest,
                 is_cpu=device.gpu == "cpu",
+                ring_groups=group_count,
             )
         )
     return shapes
@@ -358,7 +360,7 @@ def _modelled_memory(
         mlp_activations=mlp_activation_bytes(model, dtypes, shape.tokens),
         weight_cache=weight_cache_bytes(model, dtypes, train.activation_checkpointing),
         **_head_and_loss_terms(model, train, dtypes, shape.tokens),
-        head_backward_transients=head_backward_bytes(model, shape.tokens),
+        head_backward_transients=head_backward_bytes(model, dtypes, shape.tokens),
         mlp_backward_transients=mlp_backward_bytes(model, dtypes, shape.tokens),
         attention_backward_transients=attention_backward_bytes(model, dtypes, shape, cuda),
         ring_buffers=ring_buffer_bytes(model, dtypes, shape),
@@ -417,10 +419,17 @@ def embedding_output_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int)
     return tokens * (model.hidden + 2 * model.head_dim) * dtypes.stream
 
 
-def _norm_saved_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
-    """An RMSNorm's saved tensors: the FP32 normalized input (saved by the weight multiply),
-    the FP32 reciprocal RMS per token, and an FP32 copy of the input when the stream is not
-    FP32 (saved by the square); an FP32 input is the stream tensor itself."""
+def _norm_saved_bytes(
+    model: ModelSpec, dtypes: RuntimeDtypes, tokens: int, fresh_input: bool = True
+) -> int:
+    """An RMSNorm's saved tensors. The runtime's (`runtime/_elementwise.py`, the `sharded`
+    recipe): its input, which costs nothing when another term already holds it (a block's
+    input is the previous block's output: `fresh_input` False), and the FP32 reciprocal RMS
+    per token. The former `autocast` recipe's autograd norm: the FP32 normalized input, the
+    reciprocal RMS, and an FP32 copy of the input when the stream is not FP32; an FP32 input
+    is the stream tensor itself."""
+    if dtypes.sharded:
+        return tokens * (FP32 + (model.hidden * dtypes.stream if fresh_input else 0))
     upcast = model.hidden * FP32 if dtypes.stream != FP32 else 0
     return tokens * (model.hidden * FP32 + FP32 + upcast)
 
@@ -444,7 +453,7 @@ def layer_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankS
     """
     c, tokens, segment = dtypes.compute, shape.tokens, shape.segment
     q_width = model.heads * model.head_dim
-    norm = _norm_saved_bytes(model, dtypes, tokens)
+    norm = _norm_saved_bytes(model, dtypes, tokens, fresh_input=False)
     qkv_inputs = _input_copies(dtypes, 3) * tokens * model.hidden * c
     rank_q, rank_kv = shape.heads * model.head_dim, shape.kv_heads * model.head_dim
     head_form = segment * ((2 * rank_q + 2 * rank_kv) * c + shape.heads * FP32)
@@ -461,15 +470,18 @@ def _attention_weight_copies(model: ModelSpec, dtypes: RuntimeDtypes) -> int:
 
 
 def mlp_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
-    """The block's part freed before its attention backward: the MLP norm's saved tensors,
-    its output for gate and up, SwiGLU's gate, silu(gate), up and their product (4 x ffn per
-    token), and the MLP weights' compute-dtype copies under autocast."""
+    """The block's part freed before its attention backward: the MLP norm's saved tensors
+    (its input, the residual sum, is a fresh tensor), its output for gate and up, SwiGLU's
+    saved tensors and the product (saved by the down projection), and the MLP weights'
+    compute-dtype copies under autocast. SwiGLU saves gate and up (`runtime/_elementwise.py`;
+    3 x ffn per token with the product); the former recipe's autograd SwiGLU also kept
+    silu(gate) (4 x ffn)."""
     c = dtypes.compute
     norm = _norm_saved_bytes(model, dtypes, tokens)
-    if dtypes.stream == FP32:
+    if not dtypes.sharded and dtypes.stream == FP32:
         norm += tokens * model.hidden * FP32  # the residual sum itself is the FP32 input
     inputs = _input_copies(dtypes, 2) * tokens * model.hidden * c
-    swiglu = 4 * tokens * model.ffn_hidden * c
+    swiglu = (3 if dtypes.sharded else 4) * tokens * model.ffn_hidden * c
     weights = 3 * model.hidden * model.ffn_hidden * c if dtypes.casts_weights else 0
     return norm + inputs + swiglu + weights
 
@@ -513,19 +525,26 @@ def _head_and_loss_terms(
 
 
 def head_activation_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
-    """The final norm's saved tensors, less the last block's output where the stream is
-    narrower than FP32: the norm saves its FP32 upcast instead, and nothing else keeps the
-    output (`checkpoints` counts every block's). The norm's output (the hidden states) is
-    the `logits` term: the chunked loss saves nothing of it, the train loop holds it."""
+    """The final norm's saved tensors. The runtime's norm saves its input, the last block's
+    output (`checkpoints` counts it), and the reciprocal RMS. The former recipe's norm saved
+    its FP32 upcast instead, so where the stream is narrower than FP32 nothing kept the
+    output. The norm's output (the hidden states) is the `logits` term: the chunked loss saves
+    nothing of it, the train loop holds it."""
+    if dtypes.sharded:
+        return _norm_saved_bytes(model, dtypes, tokens, fresh_input=False)
     freed = tokens * model.hidden * dtypes.stream if dtypes.stream != FP32 else 0
     return _norm_saved_bytes(model, dtypes, tokens) - freed
 
 
-def head_backward_bytes(model: ModelSpec, tokens: int) -> int:
-    """The final norm's backward at its peak (the gradient of x^2 in the mean), above its
-    saved tensors: five FP32 T x E gradients and temporaries (input gradient by the scale
-    path, the mean's expanded gradient, x, 2x, their product), its FP32 normalized input
-    freed by then; whatever the stream's dtype, the norm computes in FP32."""
+def head_backward_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
+    """The final norm's backward at its peak, above its saved tensors. The runtime's
+    (`runtime/_elementwise.py` `rms_norm_backward`): three FP32 T x E tensors (the normalized
+    input, the FP32 output gradient, their product or dy x weight) and the input gradient
+    in the stream dtype. The former recipe's autograd norm: five FP32 T x E gradients and
+    temporaries (input gradient by the scale path, the mean's expanded gradient, x, 2x, their
+    product), its FP32 normalized input freed by then."""
+    if dtypes.sharded:
+        return tokens * model.hidden * (3 * FP32 + dtypes.stream)
     return 4 * tokens * model.hidden * FP32
 
 
@@ -601,8 +620,13 @@ def attention_backward_bytes(
 
 
 def ring_buffer_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape) -> int:
-    """Ring attention's in-flight blocks in the backward pass: the K/V block in hand and the
-    next one (compute dtype), each with its travelling FP32 dK/dV, sized for the largest
-    block that visits (Liu et al. 2023, Ring Attention; `runtime/_ring.py`)."""
+    """Ring attention's in-flight blocks in the backward pass, sized for the largest block
+    that visits (Liu et al. 2023, Ring Attention; `runtime/_ring.py` `ring_backward`). With
+    three groups or more, a middle step holds the K/V block in hand and the next one
+    (compute dtype), the partial dK/dV just sent and the travelling one received (FP32).
+    With two, the backward peaks in its last step, where only the block in hand is left
+    (the next K/V block was the last to come, the dK/dV hop follows the step)."""
+    if shape.ring_groups == 2:
+        return shape.largest_block * 2 * shape.kv_heads * model.head_dim * dtypes.compute
     per_block = 2 * shape.kv_heads * model.head_dim * (dtypes.compute + FP32)
     return 2 * shape.largest_block * per_block

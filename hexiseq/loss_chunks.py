@@ -7,7 +7,11 @@ with the same sizes. Pure and torch-free, so planning does not import torch.
 
 - A chunk holds `loss_chunk_tokens(vocab)` tokens: as many as keep its FP32 logits within
   `LOSS_CHUNK_LOGIT_BYTES` (the allocation that OOMed: 16K tokens x 128K vocabulary in FP32 is
-  7.8 GiB at once; a chunk of that vocabulary is 512 tokens, 256 MiB).
+  7.8 GiB at once; a chunk of that vocabulary is 2,092 tokens, 1 GiB). 256 MiB chunks made
+  the loss add each chunk's weight gradient into the FP32 accumulator in three slabs: 48
+  passes over the head's FP32 gradient at 8K tokens on an H200 (profiles/h200-2026-11-26,
+  `aten::add_`); 1 GiB makes it 4, for about 1.5 GiB more of transient memory at 128K
+  vocabulary.
 - With a compute dtype narrower than FP32, each chunk's weight gradient is made by GEMMs over
   slabs of `weight_gradient_slab_rows` vocabulary rows and added into the FP32 accumulator,
   so that temporary stays within the same budget too.
@@ -19,7 +23,7 @@ from hexiseq.catalog import MiB
 
 FP32_BYTES = 4
 
-LOSS_CHUNK_LOGIT_BYTES = 256 * MiB
+LOSS_CHUNK_LOGIT_BYTES = 1024 * MiB
 """Bytes of one chunk's FP32 logits (and the bound on a weight-gradient slab)."""
 
 

@@ -261,15 +261,32 @@ def _cuda_efficient_forward(q, k, v, *, causal, scale):
 
 
 def _cuda_efficient_backward(dout, q, k, v, out, lse, *, causal, scale):
-    # The kernel reads lse through its batch and head strides (its own forward pads rows to a
-    # multiple of 32; an exact (B, H, L) tensor reads the same rows). No dropout: the philox
-    # seed and offset are never read.
+    # No dropout: the philox seed and offset are never read.
     no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0,
+        dout, q, k, v, None, out, efficient_lse_layout(lse), no_rng, no_rng, 0.0,
         [True, True, True, False], causal, scale=scale,
     )  # fmt: skip
     return dq, dk, dv
+
+
+EFFICIENT_LSE_ROW_ALIGNMENT = 32
+"""The memory-efficient kernels' lse rows come padded to a multiple of this (PyTorch's
+`kAlignLSE`); the forward writes +inf into the padding."""
+
+
+def efficient_lse_layout(lse_BHL: torch.Tensor) -> torch.Tensor:
+    """`lse_BHL` (FP32) laid out as the efficient kernel's own forward returns it: rows padded
+    to a multiple of 32 with +inf. The backward reads that layout; an exact (B, H, L) tensor
+    whose L is not a multiple of 32 gave wrong dQ in fp16 and NaN in bf16 on an H200
+    (profiles/h200-2026-11-26/session.log)."""
+    rows = lse_BHL.shape[-1]
+    padded_rows = -(-rows // EFFICIENT_LSE_ROW_ALIGNMENT) * EFFICIENT_LSE_ROW_ALIGNMENT
+    if padded_rows == rows:
+        return lse_BHL.contiguous()
+    padded = lse_BHL.new_full((*lse_BHL.shape[:-1], padded_rows), float("inf"))
+    padded[..., :rows] = lse_BHL
+    return padded
 
 
 def _cpu_flash_forward(q, k, v, *, causal, scale):

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec
+from hexiseq.runtime._elementwise import RMSNormFunction, SwiGLUFunction
 
 INIT_STD = 0.02  # GPT-2 / Llama reference initialization of the weight matrices
 
@@ -58,9 +59,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float()).to(x.dtype)
+        return RMSNormFunction.apply(x, self.weight, self.eps)  # saves x and rstd only
 
 
 def rope_tables(
@@ -122,7 +121,8 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
 
     def forward(self, x_BTE: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(functional.silu(self.gate_proj(x_BTE)) * self.up_proj(x_BTE))
+        product = SwiGLUFunction.apply(self.gate_proj(x_BTE), self.up_proj(x_BTE))
+        return self.down_proj(product)
 
 
 class DecoderBlock(nn.Module):

@@ -75,6 +75,7 @@ from hexiseq.injections import (
 )
 from hexiseq.plan import Plan
 from hexiseq.runtime._drift import Drift, DriftMonitor
+from hexiseq.runtime._elementwise import compile_elementwise
 from hexiseq.runtime._emulation import ComputePadding, GpuPhases
 from hexiseq.runtime._startup import (  # noqa: F401 (check_world_size, placement_error: API)
     FoundDevice,
@@ -133,6 +134,7 @@ class TrainOptions:
     slowdowns: tuple[SlowdownInjection, ...] = ()
     failures: tuple[FailureInjection, ...] = ()
     torch_profile: str | None = None  # write the last step's torch.profiler table here
+    compile_elementwise: bool = False  # torch.compile RMSNorm's and SwiGLU's math
 
     @property
     def watches_drift(self) -> bool:
@@ -205,6 +207,13 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         "replicated: every rank holds all, gradients all-reduced",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile RMSNorm's and SwiGLU's math (fused kernels, the same saved "
+        "tensors, so the same memory); off by default: measure it (benchmarks/runtime_gpu.py "
+        "--compile)",
+    )
+    parser.add_argument(
         "--torch-profile",
         metavar="PATH",
         help="profile the last step with torch.profiler and write its operator table "
@@ -237,6 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         slowdowns=tuple(args.inject_slowdown),
         failures=tuple(args.inject_failure),
         torch_profile=args.torch_profile,
+        compile_elementwise=args.compile,
     )
 
 
@@ -436,6 +446,8 @@ def run_steps(
     step 0) and run, measure and record steps `first_step`..K-1; a `Handover` when the
     supervisor re-planned before the last."""
     sharded = options.state_sharding == "sharded"
+    if options.compile_elementwise:
+        compile_elementwise()
     model = build_plan_model(plan, context, options.seed, sharded)
     optimizer = build_optimizer(model, options.learning_rate, fused=sharded)
     if first_step > 0:

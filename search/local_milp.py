@@ -313,6 +313,7 @@ class _Model:
         self.ring = _ring_rates(problem, groups, heads, classes)
         self.total_units = problem.train.seq_len // (2 * quantum)
         self.multi_group = len(groups) > 1
+        self.ring_groups = len(groups)
         self.memory = [self._member_memory(cls) for cls in classes]
         # Members of a class with the same memory rows are interchangeable: one state-share
         # column and one set of memory rows for all of them (`kinds[c][member]`).
@@ -553,7 +554,7 @@ class _Model:
             kv_heads = -(-(start + heads) // ratio) - start // ratio
             capacity = self.problem.cluster.gpu(rank).memory_bytes
             gpu = self.problem.cluster.devices[rank].gpu
-            key = (gpu, heads, kv_heads, self.quantum, cls.size, self.multi_group)
+            key = (gpu, heads, kv_heads, self.quantum, cls.size, self.ring_groups)
             phases = self.problem.memo(
                 ("phases", self.problem.train, key),
                 lambda key=key: _phases_of(self.problem, *key),
@@ -609,7 +610,7 @@ class _Model:
 
 
 def _phases_of(
-    problem, gpu: str, heads: int, kv_heads: int, quantum: int, size: int, multi_group: bool
+    problem, gpu: str, heads: int, kv_heads: int, quantum: int, size: int, ring_groups: int
 ):
     """Every phase of the memory model (`costmodel.memory.PHASES`, each with its reserve and
     fragmentation) as ((per segment unit, per largest-block unit, per state share), constant)
@@ -624,8 +625,9 @@ def _phases_of(
             segment * block,
             heads,
             kv_heads,
-            largest * block if multi_group else 0,
+            largest * block if ring_groups > 1 else 0,
             gpu == "cpu",
+            ring_groups,
         )
         m = rank_memory(problem.model, problem.train, shape, share, calibration)
         return np.array(list(m.phase_peaks().values()), dtype=float)

@@ -65,10 +65,18 @@ def merged_and_grads(forward, backward, q, blocks, dout):
 
 
 def reference_grads(q, blocks, dout):
-    q_ = q.double().requires_grad_()
-    leaves = [(k.double().requires_grad_(), v.double().requires_grad_()) for k, v in blocks]
-    plain_attention(q_, leaves, causal_last=True).backward(dout.double())
-    return q_.grad, [(k.grad, v.grad) for k, v in leaves]
+    """Float64 gradients, computed on the CPU (a float64 backward on a GPU runs cuBLAS in
+    autograd's device thread, which warned of a missing CUDA context) and returned to q's
+    device."""
+
+    def leaf(x):
+        return x.detach().cpu().double().requires_grad_()
+
+    q_ = leaf(q)
+    leaves = [(leaf(k), leaf(v)) for k, v in blocks]
+    plain_attention(q_, leaves, causal_last=True).backward(dout.detach().cpu().double())
+    back = q.device
+    return q_.grad.to(back), [(k.grad.to(back), v.grad.to(back)) for k, v in leaves]
 
 
 def assert_close(actual, expected, tolerance):
@@ -164,3 +172,15 @@ def test_a_cudnn_forward_and_a_flash_backward_mix_exactly():
     assert_close(out, plain_attention(q, blocks, causal_last=True), 2e-2)
     want_dq, _ = reference_grads(q, blocks, dout)
     assert_close(dq, want_dq, 2e-2)
+
+
+def test_efficient_lse_layout_pads_rows_to_32_with_inf():
+    from hexiseq.runtime.kernels import efficient_lse_layout
+
+    lse = torch.randn(2, 3, 40)
+    padded = efficient_lse_layout(lse)
+    assert padded.shape == (2, 3, 64) and padded.is_contiguous()
+    assert torch.equal(padded[..., :40], lse)
+    assert torch.isinf(padded[..., 40:]).all() and (padded[..., 40:] > 0).all()
+    exact = torch.randn(1, 2, 64)
+    assert torch.equal(efficient_lse_layout(exact), exact)

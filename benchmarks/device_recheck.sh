@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# A short lease after a runtime change (benchmarks/device_session.sh is the full one): the GPU
+# kernel tests, then hexiseq's side alone (the transformers reference's figures of the full
+# session stand) at 8K and 16K tokens without checkpointing, eager; the longest plan the
+# planner passes on the card (--near-cap); 8K with --compile; one 8K step under torch.profiler.
+# Output under $OUT: recheck.log, eager.json (with the near-cap row), compiled.json,
+# torch-profile-8k.txt. The call, from the repo root (wheels as for device_session.sh):
+#
+#   run(command="bash benchmarks/device_recheck.sh", carry=[".whl"], timeout_s=200)
+set -u
+REPO=$(pwd)
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT"
+DEADLINE_S=${DEADLINE_S:-175}
+START_S=$(date +%s)
+exec > >(tee -a "$OUT/recheck.log") 2>&1
+left() { echo $((DEADLINE_S - ($(date +%s) - START_S))); }
+stage() {  # stage NAME CAP_S COMMAND...
+    local name=$1 cap=$2 limit
+    shift 2
+    limit=$(left)
+    ((limit > cap)) && limit=$cap
+    if ((limit < 15)); then echo "== $name: skipped ($(left) s left)"; return 1; fi
+    echo "== $name (limit ${limit} s) at $(($(date +%s) - START_S)) s"
+    timeout --kill-after=5 "$limit" "$@"
+    echo "== $name: rc $? at $(($(date +%s) - START_S)) s"
+}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+    --target /tmp/hexiseq-site . || exit 1
+export PYTHONPATH=/tmp/site:/tmp/hexiseq-site PYTHONUNBUFFERED=1
+cd /tmp || exit 1  # -m modules: the repo's hexiseq/ folder would shadow the installed package
+rows() { python3 "$REPO/benchmarks/runtime_gpu.py" --hexiseq-only --planned-only --warmup 1 \
+    --steps 3 --no-write --timeout 100 "$@"; }
+stage gpu-tests 30 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir "$REPO" \
+    -c "$REPO/pyproject.toml" "$REPO/tests/runtime/test_kernels.py"
+stage eager 110 rows --lengths 8192 16384 --checkpointing off --near-cap \
+    --save-json "$OUT/eager.json"
+stage compiled 60 rows --lengths 8192 --checkpointing off --compile \
+    --save-json "$OUT/compiled.json"
+python3 - "$REPO/benchmarks" <<'PY'
+import sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import runtime_gpu
+from hexiseq import ModelSpec
+gpu = runtime_gpu.catalog_gpu(torch.cuda.get_device_name(0)) or "H100-SXM"
+plan, _ = runtime_gpu.one_device_plan(gpu, ModelSpec.preset("llama3.2-3b"), 8192, False, True)
+plan.to_json("/tmp/plan-8k.json")
+PY
+stage torch-profile 30 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
+    -m hexiseq.runtime.train --plan /tmp/plan-8k.json --steps 3 --no-store --device cuda \
+    --torch-profile "$OUT/torch-profile-8k.txt"
+echo "== done at $(($(date +%s) - START_S)) s"
