@@ -686,6 +686,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add("--timeout", type=float, default=300.0, metavar="S", help="limit per subprocess")
     add("--no-write", action="store_true", help="do not update RESULTS.md")
+    add(
+        "--section",
+        metavar="NAME",
+        help="the RESULTS.md section to write (default runtime_gpu, or runtime_gpu-cpu on CPU)",
+    )
     add("--save-json", type=Path, metavar="PATH", help="also write the raw rows here")
     add(
         "--from-json",
@@ -731,7 +736,7 @@ def main(argv: list[str]) -> int:
     print(text)
     if not args.no_write:
         cpu = report["meta"]["device_kind"] == "cpu"
-        replace_section("runtime_gpu-cpu" if cpu else "runtime_gpu", text)
+        replace_section(args.section or ("runtime_gpu-cpu" if cpu else "runtime_gpu"), text)
     return 0
 
 

@@ -30,6 +30,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 from hexiseq.catalog import gpu_catalog
+from hexiseq.kernels import LEGACY_KERNEL_NAMES
 from hexiseq.costmodel._features import (
     CACHED_OPS,
     OP_FEATURES,
@@ -361,15 +362,27 @@ def _with_lodo(fits: list[tuple[OpFit, _Points]]) -> list[tuple[OpFit, _Points]]
         lodo, note = _lodo_errors(fit, points, peers, len(types))
         if references and not peers:
             note = "n/a (no other GPU type profiled; a CPU is no peer for GPU ratios)"
+            others = {_kernel(r) for r in references if _kernel(r) != _kernel(fit)}
+            if others and all(_are_peers(fit, r, same_kernel=False) for r in references):
+                note = f"n/a (other types profiled on another kernel: {', '.join(sorted(others))})"
         result.append((_with_heldout(fit, lodo=lodo, lodo_note=note), points))
     return result
 
 
-def _are_peers(fit: OpFit, reference: OpFit) -> bool:
+def _are_peers(fit: OpFit, reference: OpFit, same_kernel: bool = True) -> bool:
     """Whether `reference`'s fit can stand for `fit`'s type by datasheet ratios: two GPU types
-    with the same features (a CPU's achieved share of its peak says nothing of a GPU's)."""
+    with the same features (a CPU's achieved share of its peak says nothing of a GPU's) and,
+    for attention, the same kernel (FlashAttention-2's rate says little of cuDNN's: 1.7-1.9x
+    apart on one H100)."""
     gpus = "cpu" not in (fit.device_type, reference.device_type)
-    return gpus and fit.features == reference.features
+    kernels = not same_kernel or _kernel(fit) == _kernel(reference)
+    return gpus and fit.features == reference.features and kernels
+
+
+def _kernel(fit: OpFit) -> str | None:
+    """The attention kernel a fit was profiled on, by its current name (None: not attention)."""
+    kernel = fit.attention_kernel
+    return LEGACY_KERNEL_NAMES.get(kernel, kernel) if kernel else None
 
 
 def _lodo_errors(

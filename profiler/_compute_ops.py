@@ -194,7 +194,14 @@ def _backward(kernel, dout, q, k, v, out, lse, causal, scale):
             dout, q, k, v, out, lse.contiguous(), None, None, q.shape[2], k.shape[2],
             0.0, causal, no_rng, no_rng, scale=scale,
         )  # fmt: skip
+    if q.dtype != torch.float32:  # the runtime's efficient backward: FP32 on upcast inputs
+        upcast = [t.float() for t in (dout, q, k, v, out)]
+        grads = _backward(kernel, *upcast, lse, causal, scale)
+        return tuple(g.to(q.dtype) for g in grads)
+    rows = lse.shape[-1]
+    padded = lse.new_full((*lse.shape[:-1], -(-rows // 32) * 32), float("inf"))
+    padded[..., :rows] = lse  # the rows padded to 32 with +inf, as the kernel's forward does
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse.contiguous(), no_rng, no_rng, 0.0,
+        dout, q, k, v, None, out, padded, no_rng, no_rng, 0.0,
         [True, True, True, False], causal, scale=scale,
     )[:3]  # fmt: skip

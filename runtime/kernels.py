@@ -261,6 +261,15 @@ def _cuda_efficient_forward(q, k, v, *, causal, scale):
 
 
 def _cuda_efficient_backward(dout, q, k, v, out, lse, *, causal, scale):
+    # fp16/bf16 run the FP32 kernel on upcast inputs: given the global lse and output, the
+    # half-precision backward returned wrong dQ (fp16: NaN; bf16: 1e34) for rows past the
+    # first tile on an H200 (torch 2.11, cuDNN 9.19; profiles/h200-2026-11-26, recheck-1.log),
+    # with the lse padded as its own forward pads it or not, while the FP32 kernel was right
+    # on the same blocks. Slower (no bf16 tensor cores), but this kernel is the last fallback.
+    if q.dtype != torch.float32:
+        upcast = (t.float() for t in (dout, q, k, v, out))
+        grads = _cuda_efficient_backward(*upcast, lse, causal=causal, scale=scale)
+        return tuple(g.to(q.dtype) for g in grads)
     # No dropout: the philox seed and offset are never read.
     no_rng = torch.empty(0, dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
@@ -277,9 +286,8 @@ EFFICIENT_LSE_ROW_ALIGNMENT = 32
 
 def efficient_lse_layout(lse_BHL: torch.Tensor) -> torch.Tensor:
     """`lse_BHL` (FP32) laid out as the efficient kernel's own forward returns it: rows padded
-    to a multiple of 32 with +inf. The backward reads that layout; an exact (B, H, L) tensor
-    whose L is not a multiple of 32 gave wrong dQ in fp16 and NaN in bf16 on an H200
-    (profiles/h200-2026-11-26/session.log)."""
+    to a multiple of 32 with +inf (PyTorch's `kernel_forward.h`: "to make the backward
+    easier, we pad logsumexp with inf"), so the backward never reads past it."""
     rows = lse_BHL.shape[-1]
     padded_rows = -(-rows // EFFICIENT_LSE_ROW_ALIGNMENT) * EFFICIENT_LSE_ROW_ALIGNMENT
     if padded_rows == rows:

@@ -135,3 +135,18 @@ def test_the_fitted_model_prices_cudnn_attention_as_the_fit_saw_it(h200_document
         q_tokens=q, kv_tokens=kv, kernel="cudnn",
     )  # fmt: skip
     assert predicted == pytest.approx(expected, rel=1e-6)
+
+
+def test_attention_fits_of_other_kernels_are_no_peers_for_leave_one_type_out(h200_document):
+    from hexiseq.costmodel.fit import _are_peers
+
+    document, _ = h200_document
+    (fit,) = [f for f in document.ops if f.op == "attention_fwd"]
+    assert fit.attention_kernel == "cudnn"
+    flash_h100 = fit.model_copy(
+        update={"device_type": "H100-SXM", "attention_kernel": "cuda_flash"}
+    )
+    cudnn_h100 = fit.model_copy(update={"device_type": "H100-SXM", "attention_kernel": "cudnn"})
+    assert not _are_peers(fit, flash_h100)
+    assert _are_peers(fit, flash_h100, same_kernel=False)
+    assert _are_peers(fit, cudnn_h100)
