@@ -30,7 +30,6 @@ from datetime import datetime, timezone
 import numpy as np
 
 from hexiseq.catalog import gpu_catalog
-from hexiseq.kernels import LEGACY_KERNEL_NAMES
 from hexiseq.costmodel._features import (
     CACHED_OPS,
     OP_FEATURES,
@@ -68,6 +67,7 @@ from hexiseq.costmodel._regression import (
     predict_link,
     relative_errors,
 )
+from hexiseq.kernels import LEGACY_KERNEL_NAMES
 from hexiseq.profiles import COMPUTE_OPS, LINK_OPS, ProfileMeasurement
 
 MIN_POINTS = 6
