@@ -143,14 +143,21 @@ def block_elementwise_per_token(
         attention = _attention_forward_bytes(q, k, c, r, gqa)
         kernels = 2 * 6 + norm_cast_kernels + 2 * 6 + 2 + 2 + 23
         return Work(norms + rope + residual + swiglu + attention, kernels)
-    norms = 2 * 16 * r * e + norm_casts  # mul/weight-grad, x*rsqrt, rsqrt-grad, mean/pow, sum
+    if dtypes.sharded:  # `runtime/_elementwise.py` (`rms_norm_backward`, `swiglu_backward`)
+        casts = 3 * (s + FP32) * e if s != FP32 else 0  # x and dy up, dx back
+        norms = 2 * (76 * e + casts)  # x*rstd, dy*n, sum, dy*w, g*n, mean, n*=, g-=, g*=rstd
+        norm_kernels = 2 * (9 + (3 if s != FP32 else 0))
+        swiglu = 11 * c * f  # dP * up, silu_backward, silu(gate), its product with dP
+    else:  # autograd's FP32 norm and SwiGLU (the former recipe)
+        norms = 2 * 16 * r * e + norm_casts  # mul/weight-grad, x*rsqrt, rsqrt-grad, mean/pow, sum
+        norm_kernels = 2 * 10 + norm_cast_kernels
+        swiglu = 9 * c * f  # mul backward (two products), silu backward
     rope = 7 * (s + c) * (q + k)  # cast back, *cos, *sin (+ casts), neg, sum of two paths
     residual = 2 * (s + c) * e + 2 * 3 * s * e  # grads to the branches; skip-path sums
     input_grad_sums = 3 * 3 * s * e  # q+k+v and gate+up input gradients summed
-    swiglu = 9 * c * f  # mul backward (two products), silu backward
     attention = _attention_backward_bytes(q, k, c, r, gqa)
     total = norms + rope + residual + input_grad_sums + swiglu + attention
-    return Work(total, 2 * 10 + norm_cast_kernels + 2 * 8 + 4 + 3 + 3 + 25)
+    return Work(total, norm_kernels + 2 * 8 + 4 + 3 + 3 + 25)
 
 
 def _attention_forward_bytes(q: int, k: int, c: int, r: int, gqa: bool) -> float:
