@@ -294,10 +294,11 @@ def _hardware_lines(document: FittedDocument, sources: list[ProfileSource]) -> l
             continue
         what = f"kernel {fit.attention_kernel}" if fit.attention_kernel else ""
         if fit.sm_count is not None:
-            what += f", FlashAttention-2 tiles scheduled over {fit.sm_count} SMs"
+            tiles = "cuDNN's grid" if fit.attention_kernel == "cudnn" else "FlashAttention-2 tiles"
+            what += f", {tiles} scheduled over {fit.sm_count} SMs"
         gpu = fit.features == GPU_OP_FEATURES.get(fit.op)
         if gpu and fit.op == "elementwise":
-            what = f"bytes beyond the L2 of {fit.cache_bytes[0] / 1024**2:.3g} MiB"
+            what = f"bytes beyond a fitted knee of {fit.cache_bytes[0] / 1024**2:.3g} MiB"
         elif gpu and fit.op == "gemm":
             what = f"bytes beyond the roofline ridge {fit.ridge_flops_per_byte:.0f} FLOP/byte"
         elif fit.cache_bytes is not None and fit.op in ("gemm", "elementwise"):

@@ -23,7 +23,9 @@ stage() {  # stage NAME CAP_S COMMAND...
     if ((limit < 15)); then echo "== $name: skipped ($(left) s left)"; return 1; fi
     echo "== $name (limit ${limit} s) at $(($(date +%s) - START_S)) s"
     timeout --kill-after=5 "$limit" "$@"
-    echo "== $name: rc $? at $(($(date +%s) - START_S)) s"
+    local rc=$?
+    echo "== $name: rc $rc at $(($(date +%s) - START_S)) s"
+    return $rc
 }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

@@ -49,7 +49,7 @@ stage() {  # stage NAME CAP_S COMMAND...: run COMMAND for at most min(CAP_S, tim
 echo "== setup"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
     --target /tmp/hexiseq-site . || exit 1
 export PYTHONPATH=/tmp/site:/tmp/hexiseq-site PYTHONUNBUFFERED=1
 export PATH=/tmp/hexiseq-site/bin:$PATH

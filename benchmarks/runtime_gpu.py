@@ -364,11 +364,12 @@ def measure(args: argparse.Namespace, device_kind: str, gpu: str, on_row) -> lis
     if args.near_cap:
         cases.append((near_cap_length(gpu, model), False, False))
     with tempfile.TemporaryDirectory() as scratch:
-        for seq_len, checkpointing, with_reference in cases:
+        for index, (seq_len, checkpointing, with_reference) in enumerate(cases):
             plan, note = one_device_plan(gpu, model, seq_len, checkpointing, args.force)
             row = {"seq_len": seq_len, "checkpointing": checkpointing, "plan": note}
             if plan is not None:
-                name = f"{seq_len}-{'ckpt' if checkpointing else 'full'}"
+                # the row's index too: a near-cap length may equal a listed one
+                name = f"{index}-{seq_len}-{'ckpt' if checkpointing else 'full'}"
                 path, store = Path(scratch, f"{name}.json"), f"sqlite:///{scratch}/{name}.db"
                 plan.to_json(path)
                 row |= predicted_fields(plan)

@@ -15,7 +15,7 @@ On a GPU the same operators run, with two differences this CPU count does not se
 attention gets contiguous copies of q, k, v and the output (the CPU flash kernel takes
 strided ones), and the kernels a CPU backward composes may be fused there.
 
-Run: `.venv/bin python benchmarks/step_census.py` (about 3 minutes on 2 cores); prints the table
+Run: `.venv/bin/python benchmarks/step_census.py` (about 3 minutes on 2 cores); prints the table
 and writes the RESULTS.md section `step_census` (`--no-write`: print only).
 """
 

@@ -402,7 +402,9 @@ def _lodo_errors(
         ratio = achieved_rate(reference.device_type, fit.op) / achieved_rate(
             fit.device_type, fit.op
         )
-        predicted = points.features @ np.array(reference.coefficients) * ratio
+        # the reference's coefficients with its own capacities (a GPU's elementwise knee)
+        features = _with_capacity(fit.op, points.features, reference.cache_bytes)
+        predicted = features @ np.array(reference.coefficients) * ratio
         errors.append(
             LodoError(reference=reference.device_type, mape=_mape(predicted, points.seconds))
         )

@@ -593,8 +593,10 @@ def loss_transient_bytes(
 
 
 def mlp_backward_bytes(model: ModelSpec, dtypes: RuntimeDtypes, tokens: int) -> int:
-    """The MLP backward's peak, above the block's activations: the gradients of the SwiGLU
-    product, of silu(gate) and of up (the product itself freed: net 2 x ffn per token), and
+    """The MLP backward's peak, above the block's activations: the SwiGLU product's gradient
+    and two more of its size (autograd's: the gradients of silu(gate) and of up; the
+    runtime's `swiglu_backward`: dP x up, then d_gate and d_up), the product itself freed:
+    net 2 x ffn per token, and
     the residual stream's gradient; the down projection's weight copy is freed by then."""
     per_token = 2 * model.ffn_hidden * dtypes.compute + model.hidden * dtypes.stream
     down_copy = model.hidden * model.ffn_hidden * dtypes.compute if dtypes.casts_weights else 0
@@ -621,7 +623,9 @@ def attention_backward_bytes(
 
 def ring_buffer_bytes(model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape) -> int:
     """Ring attention's in-flight blocks in the backward pass, sized for the largest block
-    that visits (Liu et al. 2023, Ring Attention; `runtime/_ring.py` `ring_backward`). With
+    that visits (Liu et al. 2023, Ring Attention; `runtime/_ring.py` `ring_backward`); the
+    rank's own block's FP32 dK/dV held home is `attention_backward_bytes`' reduced dK/dV
+    (the step's own partial is not yet made at the kernel's peak). With
     three groups or more, a middle step holds the K/V block in hand and the next one
     (compute dtype), the partial dK/dV just sent and the travelling one received (FP32).
     With two, the backward peaks in its last step, where only the block in hand is left

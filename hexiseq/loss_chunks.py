@@ -10,7 +10,7 @@ with the same sizes. Pure and torch-free, so planning does not import torch.
   7.8 GiB at once; a chunk of that vocabulary is 2,092 tokens, 1 GiB). 256 MiB chunks made
   the loss add each chunk's weight gradient into the FP32 accumulator in three slabs: 48
   passes over the head's FP32 gradient at 8K tokens on an H200 (profiles/h200-2026-11-26,
-  `aten::add_`); 1 GiB makes it 4, for about 1.5 GiB more of transient memory at 128K
+  `aten::add_`); 1 GiB makes it 4, for about 1.1 GiB more of transient memory at 128K
   vocabulary.
 - With a compute dtype narrower than FP32, each chunk's weight gradient is made by GEMMs over
   slabs of `weight_gradient_slab_rows` vocabulary rows and added into the FP32 accumulator,

@@ -199,8 +199,10 @@ def _backward(kernel, dout, q, k, v, out, lse, causal, scale):
         grads = _backward(kernel, *upcast, lse, causal, scale)
         return tuple(g.to(q.dtype) for g in grads)
     rows = lse.shape[-1]
-    padded = lse.new_full((*lse.shape[:-1], -(-rows // 32) * 32), float("inf"))
-    padded[..., :rows] = lse  # the rows padded to 32 with +inf, as the kernel's forward does
+    padded = lse.contiguous()
+    if rows % 32:  # the rows padded to 32 with +inf, as the kernel's forward (and the runtime)
+        padded = lse.new_full((*lse.shape[:-1], -(-rows // 32) * 32), float("inf"))
+        padded[..., :rows] = lse
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, padded, no_rng, no_rng, 0.0,
         [True, True, True, False], causal, scale=scale,

@@ -70,8 +70,11 @@ _EAGER = dict(_KERNELS)
 
 def compile_elementwise(enabled: bool = True) -> None:
     """Run the four math functions through `torch.compile` (process-wide; dynamic shapes, so
-    ranks of other token counts and the loss's chunks share the compiled code), or back to
-    eager with `enabled=False`."""
+    ranks of other token counts share the compiled code), or back to eager with
+    `enabled=False`. Compiling twice (a re-plan's hand-over builds the model again) keeps the
+    functions compiled once."""
+    if enabled == elementwise_compiled():
+        return
     for name, function in _EAGER.items():
         _KERNELS[name] = torch.compile(function, dynamic=True) if enabled else function
 

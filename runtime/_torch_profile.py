@@ -32,6 +32,6 @@ def profiled_step(path: str | None, rank: int, device: torch.device) -> Iterator
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as profiler:
         yield
-    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort_by, row_limit=ROW_LIMIT)
     profile_path(path, rank).write_text(table + "\n")

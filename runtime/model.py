@@ -57,8 +57,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden))
+        self.autograd_math = False  # the former recipe's (`use_autograd_elementwise`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.autograd_math:
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * self.weight.float()).to(x.dtype)
         return RMSNormFunction.apply(x, self.weight, self.eps)  # saves x and rstd only
 
 
@@ -119,10 +124,21 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
         self.up_proj = nn.Linear(spec.hidden, spec.ffn_hidden, bias=False)
         self.down_proj = nn.Linear(spec.ffn_hidden, spec.hidden, bias=False)
+        self.autograd_math = False  # the former recipe's (`use_autograd_elementwise`)
 
     def forward(self, x_BTE: torch.Tensor) -> torch.Tensor:
-        product = SwiGLUFunction.apply(self.gate_proj(x_BTE), self.up_proj(x_BTE))
-        return self.down_proj(product)
+        gate, up = self.gate_proj(x_BTE), self.up_proj(x_BTE)
+        if self.autograd_math:
+            return self.down_proj(functional.silu(gate) * up)
+        return self.down_proj(SwiGLUFunction.apply(gate, up))
+
+
+def use_autograd_elementwise(model: nn.Module) -> None:
+    """RMSNorm and SwiGLU left to autograd, as the former `autocast` recipe ran them (what
+    `--state-sharding replicated` reproduces and the memory model prices for that recipe)."""
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SwiGLU)):
+            module.autograd_math = True
 
 
 class DecoderBlock(nn.Module):

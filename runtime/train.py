@@ -91,7 +91,12 @@ from hexiseq.runtime.loss import (
     chunked_next_token_loss,
     next_token_labels,
 )
-from hexiseq.runtime.model import LlamaModel, build_model, token_positions
+from hexiseq.runtime.model import (
+    LlamaModel,
+    build_model,
+    token_positions,
+    use_autograd_elementwise,
+)
 from hexiseq.runtime.replicas import CrossReplicaReduction, Mesh, join_mesh, plan_mesh
 from hexiseq.runtime.sharding import (
     LEGACY_STATE_SHARDING,
@@ -654,10 +659,12 @@ def build_plan_model(plan: Plan, context: RankContext, seed: int, sharded: bool)
     mesh = context.mesh_of(plan)
     attention = CPHPAttention(mesh.layout, mesh.group)
     checkpointing = plan.train.activation_checkpointing
-    if not sharded:
-        return build_model(
+    if not sharded:  # the former recipe, norm and SwiGLU included (recorded as `autocast`)
+        model = build_model(
             plan.model, attention, seed=seed, device=context.device, checkpointing=checkpointing
         )
+        use_autograd_elementwise(model)
+        return model
     model = build_model(plan.model, attention, device="meta", checkpointing=checkpointing)
     states = shard_model_states(
         model, mesh.fractions, context.compute_dtype, mesh.group, seed=seed, device=context.device

@@ -313,7 +313,7 @@ class _Model:
         self.ring = _ring_rates(problem, groups, heads, classes)
         self.total_units = problem.train.seq_len // (2 * quantum)
         self.multi_group = len(groups) > 1
-        self.ring_groups = len(groups)
+        self.ring_groups = min(len(groups), 3)  # the memory model tells 1, 2 and more apart
         self.memory = [self._member_memory(cls) for cls in classes]
         # Members of a class with the same memory rows are interchangeable: one state-share
         # column and one set of memory rows for all of them (`kinds[c][member]`).

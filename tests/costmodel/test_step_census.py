@@ -1,7 +1,7 @@
 """The step simulator's count of a block's elementwise work against the runtime's operators
 (`benchmarks/step_census.py`: the real step on CPU under a dispatch-mode census).
 
-The simulator counts 86-87 % of the bytes and 92-96 % of the kernels (RESULTS.md
+The simulator counts 87-88 % of the bytes and 96-98 % of the kernels (RESULTS.md
 `step_census`: the attention's packing and merging and the residual paths are under-counted);
 the bands hold that, so a change to the runtime's kernels, or to the counts, that widens the
 gap fails here."""

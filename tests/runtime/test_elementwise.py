@@ -141,3 +141,30 @@ def test_train_takes_compile_as_an_option():
 
     assert train.parse_args(["--plan", "p.json", "--compile"]).compile_elementwise is True
     assert train.parse_args(["--plan", "p.json"]).compile_elementwise is False
+
+
+def test_the_former_recipe_keeps_autograds_norm_and_swiglu_with_the_same_values():
+    from hexiseq import ModelSpec
+    from hexiseq.runtime.model import (
+        LocalAttention,
+        RMSNorm,
+        SwiGLU,
+        build_model,
+        use_autograd_elementwise,
+    )
+
+    spec = ModelSpec.preset("tiny")
+    tokens = torch.randint(0, spec.vocab, (1, 24))
+    positions = torch.arange(24)
+    ours = build_model(spec, LocalAttention(), seed=3)
+    former = build_model(spec, LocalAttention(), seed=3)
+    use_autograd_elementwise(former)
+    flags = [m.autograd_math for m in former.modules() if isinstance(m, (RMSNorm, SwiGLU))]
+    assert flags and all(flags)
+    assert not any(m.autograd_math for m in ours.modules() if isinstance(m, (RMSNorm, SwiGLU)))
+    a, b = ours(tokens, positions), former(tokens, positions)
+    assert relative_error(a, b) <= 1e-6
+    a.square().mean().backward()
+    b.square().mean().backward()
+    for (name, p), q in zip(ours.named_parameters(), former.parameters()):
+        assert relative_error(p.grad, q.grad) <= 1e-5, name
