@@ -14,19 +14,7 @@ mkdir -p "$OUT"
 DEADLINE_S=${DEADLINE_S:-175}
 START_S=$(date +%s)
 exec > >(tee -a "$OUT/recheck.log") 2>&1
-left() { echo $((DEADLINE_S - ($(date +%s) - START_S))); }
-stage() {  # stage NAME CAP_S COMMAND...
-    local name=$1 cap=$2 limit
-    shift 2
-    limit=$(left)
-    ((limit > cap)) && limit=$cap
-    if ((limit < 15)); then echo "== $name: skipped ($(left) s left)"; return 1; fi
-    echo "== $name (limit ${limit} s) at $(($(date +%s) - START_S)) s"
-    timeout --kill-after=5 "$limit" "$@"
-    local rc=$?
-    echo "== $name: rc $rc at $(($(date +%s) - START_S)) s"
-    return $rc
-}
+source "$REPO/benchmarks/_device_stages.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \

@@ -28,23 +28,7 @@ START_S=$(date +%s)
 LOG=$OUT/session.log
 exec > >(tee -a "$LOG") 2>&1
 
-left() { echo $((DEADLINE_S - ($(date +%s) - START_S))); }
-stage() {  # stage NAME CAP_S COMMAND...: run COMMAND for at most min(CAP_S, time left)
-    local name=$1 cap=$2
-    shift 2
-    local limit
-    limit=$(left)
-    ((limit > cap)) && limit=$cap
-    if ((limit < 15)); then
-        echo "== $name: skipped ($(left) s left)"
-        return 1
-    fi
-    echo "== $name (limit ${limit} s) at $(($(date +%s) - START_S)) s"
-    timeout --kill-after=10 "$limit" "$@"
-    local rc=$?
-    echo "== $name: rc $rc at $(($(date +%s) - START_S)) s"
-    return $rc
-}
+source "$REPO/benchmarks/_device_stages.sh"
 
 echo "== setup"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

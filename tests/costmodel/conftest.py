@@ -45,3 +45,23 @@ class RoundNumberCost:
 @pytest.fixture
 def round_cost() -> RoundNumberCost:
     return RoundNumberCost()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-rank gloo process group for the runtime's real step (memory and census tests)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    torch = pytest.importorskip("torch")
+    dist = torch.distributed
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
+    from distributed import free_port
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

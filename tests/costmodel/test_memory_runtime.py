@@ -10,7 +10,6 @@ model's: within 5 % and never more than 3 % under (what the shared H100 runs are
 from __future__ import annotations
 
 import dataclasses
-import os
 import sys
 from pathlib import Path
 
@@ -18,14 +17,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 
 from hexiseq import Cluster, plan_search  # noqa: E402
 from hexiseq.costmodel.memory import estimate_memory  # noqa: E402
 from hexiseq.runtime.allocations import AllocationTracker, measure_step_allocations  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
-from distributed import free_port, run_distributed  # noqa: E402
+from distributed import run_distributed  # noqa: E402
 
 MiB = 2**20
 OVER, UNDER = 0.05, 0.03
@@ -62,16 +60,6 @@ def check_phases(plan, measured, breakdown) -> None:
     assert_close(measured.phases["optimizer"].peak_bytes, phases["optimizer"], "optimizer")
     retained = phases["forward_end"] - breakdown.weight_cache
     assert_close(measured.retained_after_forward_bytes, retained, "held after the forward")
-
-
-@pytest.fixture
-def one_rank_group():
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

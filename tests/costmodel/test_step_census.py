@@ -8,7 +8,6 @@ gap fails here."""
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -16,28 +15,16 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 
 from hexiseq import ModelSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))
-from distributed import free_port  # noqa: E402
 from step_census import measured_block, modelled_block  # noqa: E402
 
 BYTES_BAND = (0.82, 1.05)
 KERNELS_BAND = (0.88, 1.1)
-
-
-@pytest.fixture
-def one_rank_group():
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(free_port())
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
