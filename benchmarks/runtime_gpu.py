@@ -390,7 +390,10 @@ def near_cap_length(gpu: str, model: ModelSpec) -> int:
     """The longest sequence, in steps of 1024 tokens, whose one-device plan without
     checkpointing the planner passes (under its memory cap): the run that shows whether a
     plan at the cap really fits."""
-    fits = lambda n: one_device_plan(gpu, model, n, False, force=False)[0] is not None  # noqa: E731
+
+    def fits(tokens: int) -> bool:
+        return one_device_plan(gpu, model, tokens, False, force=False)[0] is not None
+
     low, high = 0, 1
     while fits(high * NEAR_CAP_STEP_TOKENS):
         low, high = high, high * 2
@@ -490,7 +493,7 @@ def _prediction_table(report: dict) -> list[str]:
     context and the allocator's slack, outside `max_memory_allocated`)."""
     warmup = report["meta"]["warmup"]
     rows = [r for r in report["rows"] if "predicted_peak_bytes" in r and r.get("hexiseq")]
-    if not rows:
+    if not rows or report["meta"]["device_kind"] == "cpu":  # peak RSS is no allocated peak
         return []
     lines = [
         "",

@@ -34,7 +34,7 @@ from _results import cpu_seconds, replace_section
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hexiseq import Cluster, ModelSpec, plan_search
+from hexiseq import Cluster, ModelSpec, TrainSpec, plan_search
 from hexiseq.costmodel._runtime_work import (
     block_activation_casts_per_token,
     block_elementwise_per_token,
@@ -140,8 +140,7 @@ def modelled_block(base: ModelSpec, checkpointing: bool) -> BlockCount:
     """The simulator's count for one block (`costmodel._runtime_work`), bf16 sharded recipe:
     elementwise and activation casts per token, forward (twice with checkpointing: the
     recompute) and backward; weight casts per pass (not per token)."""
-    train = plan_train(base, checkpointing)
-    dtypes = runtime_dtypes(train)
+    dtypes = runtime_dtypes(TrainSpec(seq_len=LENGTHS[-1], activation_checkpointing=checkpointing))
     passes = {False: 1, True: 2}[checkpointing]
     total, kernels = 0.0, 0.0
     for backward, times in ((False, passes), (True, 1)):
@@ -153,12 +152,6 @@ def modelled_block(base: ModelSpec, checkpointing: bool) -> BlockCount:
             kernels += times * work.kernels
         kernels += times * weight_casts_per_layer(dtypes, backward=backward).kernels
     return BlockCount(total, kernels, [])
-
-
-def plan_train(base: ModelSpec, checkpointing: bool):
-    from hexiseq import TrainSpec
-
-    return TrainSpec(seq_len=LENGTHS[-1], activation_checkpointing=checkpointing)
 
 
 def shape(base: ModelSpec, layers: int) -> ModelSpec:
@@ -206,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)))
     dist.init_process_group("gloo", rank=0, world_size=1)
     began = time.perf_counter()
     base = ModelSpec.preset(args.model)

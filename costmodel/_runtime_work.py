@@ -229,9 +229,14 @@ LOSS_STEP_KERNELS = 6
 gradient accumulator's zeroing, the local share's cast, the backward's two scalings."""
 
 
-def loss_chunks(model: ModelSpec, tokens: np.ndarray) -> np.ndarray:
-    """[rank] chunks the loss runs over `tokens[rank]` tokens of a micro-batch."""
-    return np.ceil(np.asarray(tokens, dtype=np.float64) / loss_chunk_tokens(model.vocab))
+def loss_chunks(model: ModelSpec, dtypes: RuntimeDtypes, tokens: np.ndarray) -> np.ndarray:
+    """[rank] chunks the loss runs over `tokens[rank]` tokens of a micro-batch: the chunked
+    loss's (`hexiseq.loss_chunks`), or one where the former `autocast` recipe made every
+    logit at once."""
+    tokens = np.asarray(tokens, dtype=np.float64)
+    if not dtypes.sharded:
+        return np.minimum(tokens, 1.0)
+    return np.ceil(tokens / loss_chunk_tokens(model.vocab))
 
 
 def loss_work(model: ModelSpec, dtypes: RuntimeDtypes, tokens: np.ndarray) -> Work:
@@ -247,7 +252,7 @@ def loss_work(model: ModelSpec, dtypes: RuntimeDtypes, tokens: np.ndarray) -> Wo
     e, v = model.hidden, model.vocab
     w = head_weight_bytes(dtypes)
     tokens = np.asarray(tokens, dtype=np.float64)
-    chunks = loss_chunks(model, tokens)
+    chunks = loss_chunks(model, dtypes, tokens)
     casts = 0 if c == r else 2 * (c + r)
     per_logit = casts + 8 * r
     slabs = weight_gradient_slab_count(v, e, c) if c < r else 0
@@ -273,7 +278,7 @@ def head_gemm_work(
     c, r = dtypes.compute, FP32
     e, v = model.hidden, model.vocab
     tokens = np.asarray(tokens, dtype=np.float64)
-    chunks = loss_chunks(model, tokens)
+    chunks = loss_chunks(model, dtypes, tokens)
     flops = (1 + LINEAR_BACKWARD_FACTOR) * head_flops_per_token(model) * tokens
     gradient_out = 2 * r if c >= r else c
     operand_bytes = c * 3 * tokens * (e + v) + chunks * v * e * (2 * c + gradient_out)

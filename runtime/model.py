@@ -24,7 +24,12 @@ from torch.utils.checkpoint import checkpoint
 
 from hexiseq.layout import AttentionLayout
 from hexiseq.model import ModelSpec
-from hexiseq.runtime._elementwise import RMSNormFunction, SwiGLUFunction
+from hexiseq.runtime._elementwise import (
+    RMSNormFunction,
+    SwiGLUFunction,
+    rms_norm_forward,
+    swiglu_forward,
+)
 
 INIT_STD = 0.02  # GPT-2 / Llama reference initialization of the weight matrices
 
@@ -60,10 +65,8 @@ class RMSNorm(nn.Module):
         self.autograd_math = False  # the former recipe's (`use_autograd_elementwise`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.autograd_math:
-            x32 = x.float()
-            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-            return (normed * self.weight.float()).to(x.dtype)
+        if self.autograd_math:  # the same math, its intermediates kept by autograd
+            return rms_norm_forward(x, self.weight, self.eps)[0]
         return RMSNormFunction.apply(x, self.weight, self.eps)  # saves x and rstd only
 
 
@@ -129,7 +132,7 @@ class SwiGLU(nn.Module):
     def forward(self, x_BTE: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x_BTE), self.up_proj(x_BTE)
         if self.autograd_math:
-            return self.down_proj(functional.silu(gate) * up)
+            return self.down_proj(swiglu_forward(gate, up))
         return self.down_proj(SwiGLUFunction.apply(gate, up))
 
 

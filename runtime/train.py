@@ -228,6 +228,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps must be at least 1 (got {args.steps})")
+    if args.torch_profile and not Path(args.torch_profile).parent.is_dir():
+        parser.error(f"--torch-profile: no folder {Path(args.torch_profile).parent} to write into")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every must be 0 or more (got {args.checkpoint_every})")
     if not args.drift_threshold > 1:

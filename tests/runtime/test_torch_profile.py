@@ -21,3 +21,14 @@ def test_torch_profile_writes_the_last_steps_operator_table(tmp_path):
     assert "Self CPU" in text
     assert "aten::mm" in text or "aten::addmm" in text  # the step's matmuls were profiled
     assert "Optimizer.step" in text or "_fused_adamw" in text or "adamw" in text.lower()
+
+
+def test_a_torch_profile_path_without_a_folder_is_one_clear_error(tmp_path, capsys):
+    import pytest
+
+    from hexiseq.runtime import train
+
+    with pytest.raises(SystemExit) as exit_info:
+        train.parse_args(["--plan", "p.json", "--torch-profile", str(tmp_path / "no" / "t.txt")])
+    assert exit_info.value.code == 2
+    assert "--torch-profile: no folder" in capsys.readouterr().err
