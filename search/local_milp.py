@@ -34,6 +34,8 @@ from hexiseq.costmodel.memory import RankShape, rank_memory
 from hexiseq.layout import AttentionLayout, apportion, build_zigzag_layout
 from hexiseq.search._evaluate import Problem, simulated
 from hexiseq.search._highs import Program, solve
+from hexiseq.search._relaxation import busy_bound_s as _busy_bound_s
+from hexiseq.search._relaxation import unconstrained_step_s
 
 Group = tuple[int, ...]
 RELINEARIZATIONS = 2
@@ -128,6 +130,20 @@ def relaxed_step_s(
     return model.relaxed_step_s(_class_times(classes, rates, quantum))
 
 
+def busy_bound_s(
+    problem: Problem,
+    groups: list[Group],
+    heads: list[list[int]],
+    quantum: int,
+    rates: list[GroupRates],
+) -> float:
+    """A lower bound of `relaxed_step_s` from the busy time rows alone: cheaper (no memory
+    rows, no ring traffic, no LP), for ruling out candidates that cannot beat a step time."""
+    classes = _classes(problem, groups, heads)
+    total_units = problem.train.seq_len // (2 * quantum)
+    return _busy_bound_s(classes, _class_times(classes, rates, quantum), total_units)
+
+
 def even_layout(problem: Problem, groups: list[Group], heads, quantum: int):
     """Segments in proportion to group size (the first linearization's point); None when the
     sequence is too short for one quantum per rank."""
@@ -183,15 +199,13 @@ def _class_times(classes: list[_Class], rates: list[GroupRates], quantum: int) -
     group of the class speaking for it."""
     times = []
     for cls in classes:
-        per_unit, fixed = np.zeros(cls.size), np.zeros(cls.size)
-        for position in cls.positions:
-            per_unit = np.maximum(per_unit, rates[position].per_token_s * 2 * quantum)
-            fixed = np.maximum(fixed, rates[position].fixed_s)
-        times.append((per_unit, fixed))
+        per_token = np.max([rates[p].per_token_s for p in cls.positions], axis=0)
+        fixed = np.max([rates[p].fixed_s for p in cls.positions], axis=0)
+        times.append((np.maximum(per_token * 2 * quantum, 0.0), np.maximum(fixed, 0.0)))
     return times
 
 
-def _ring_rates(problem: Problem, groups: list[Group], heads, classes: list[_Class]) -> list:
+def _ring_rates(problem: Problem, groups: list[Group], classes: list[_Class]) -> list:
     """Per class, per member: seconds per token of the *other* groups' segments that the
     ring moves into it in one step (K/V blocks in the compute dtype forward, again for the
     recompute and the backward, and the FP32 dK/dV accumulators), over the link from the
@@ -200,6 +214,30 @@ def _ring_rates(problem: Problem, groups: list[Group], heads, classes: list[_Cla
     feeds a fast group."""
     if len(groups) == 1:
         return [np.zeros(cls.size) for cls in classes]
+    devices = problem.cluster.devices
+    rates = []
+    for cls in classes:
+        per_member = np.zeros(cls.size)
+        for position in cls.positions:
+            sender = groups[position - 1]
+            key = (
+                "ring rate",
+                problem.train,
+                devices[sender[0]].node,
+                devices[groups[position][0]].node,
+                len(sender),
+                cls.heads,
+            )
+            moved = problem.memo(key, lambda key=key: _ring_rate(problem, *key[2:]))
+            np.maximum(per_member, moved, out=per_member)
+        rates.append(per_member)
+    return rates
+
+
+def _ring_rate(
+    problem: Problem, sender_node: str, receiver_node: str, sender_size: int, heads
+) -> np.ndarray:
+    """`_ring_rates` of one receiving group's members, fed by a group of `sender_size`."""
     model, train, cluster = problem.model, problem.train, problem.cluster
     bandwidth = problem.memo("links", lambda: problem.cost.link_parameters(cluster))[0]
     node_index = problem.memo(
@@ -210,29 +248,17 @@ def _ring_rates(problem: Problem, groups: list[Group], heads, classes: list[_Cla
     repeats = model.layers * train.micro_batches
     ratio = model.heads // model.kv_heads
     sample_bytes = float(2**30)
-    rates = []
-    for cls in classes:
-        per_member = np.zeros(cls.size)
-        for position in cls.positions:
-            receiver, sender = groups[position][0], groups[position - 1][0]
-            link = (
-                node_index[cluster.devices[sender].node],
-                node_index[cluster.devices[receiver].node],
-            )
-            seconds_per_byte = problem.memo(
-                ("seconds per byte", link),
-                lambda link=link: (
-                    problem.cost.transfer_time_s(sample_bytes, bandwidth[link], 0.0) / sample_bytes
-                ),
-            )
-            starts = np.concatenate([[0], np.cumsum(heads[position])[:-1]])
-            for m, (start, count) in enumerate(zip(starts, heads[position])):
-                kv_in = -(-(start + count) // ratio) - start // ratio
-                kv_out = -(-model.kv_heads // len(groups[position - 1]))
-                moved = max(kv_in, kv_out) * per_head_bytes * repeats
-                per_member[m] = max(per_member[m], moved * seconds_per_byte)
-        rates.append(per_member)
-    return rates
+    link = (node_index[sender_node], node_index[receiver_node])
+    seconds_per_byte = (
+        problem.cost.transfer_time_s(sample_bytes, bandwidth[link], 0.0) / sample_bytes
+    )
+    starts = np.concatenate([[0], np.cumsum(heads)[:-1]])
+    per_member = np.zeros(len(heads))
+    for m, (start, count) in enumerate(zip(starts, heads)):
+        kv_in = -(-(start + count) // ratio) - start // ratio
+        kv_out = -(-model.kv_heads // sender_size)
+        per_member[m] = max(kv_in, kv_out) * per_head_bytes * repeats * seconds_per_byte
+    return per_member
 
 
 def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
@@ -310,7 +336,7 @@ class _Model:
     def __init__(self, problem, groups, heads, classes, quantum) -> None:
         self.problem, self.groups, self.classes = problem, groups, classes
         self.quantum = quantum
-        self.ring = _ring_rates(problem, groups, heads, classes)
+        self.ring = _ring_rates(problem, groups, classes)
         self.total_units = problem.train.seq_len // (2 * quantum)
         self.multi_group = len(groups) > 1
         self.ring_groups = min(len(groups), 3)  # the memory model tells 1, 2 and more apart
@@ -361,6 +387,11 @@ class _Model:
         return None if units is None else [int(u) for u in units]
 
     def relaxed_step_s(self, times: list) -> float | None:
+        """The LP relaxation's fastest step seconds: without an LP where memory does not bind
+        at its optimum (`search._relaxation`), else from the LP."""
+        step_s = unconstrained_step_s(self, times)
+        if step_s is not None:
+            return step_s
         fastest = self._relaxed(times)
         return None if fastest is None else float(fastest[self.step])
 

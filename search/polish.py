@@ -27,7 +27,7 @@ from hexiseq.search.greedy import (
     explicit_ring_order,
 )
 from hexiseq.search.screen import (
-    estimate_s,
+    fastest_estimated,
     grouping,
     resolved_quantum,
     with_checkpointing,
@@ -118,10 +118,7 @@ def _worth_evaluating(
     current_s = _step_s(current_plan)
     same_grouping = [c for c in fresh if _grouping_key(c) == _grouping_key(current)]
     regrouped = [c for c in fresh if _grouping_key(c) != _grouping_key(current)]
-    faster = sorted(
-        (c for c in regrouped if estimate_s(problem, c) < current_s),
-        key=lambda c: estimate_s(problem, c),
-    )[:POLISH_SCREENED]
+    faster = fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)
     here = _ring_key(problem, current)
     seen, reordered = {here}, []
     for choices in same_grouping:

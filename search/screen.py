@@ -28,9 +28,19 @@ from hexiseq.search.greedy import (
     speed_by_type,
     split_heads,
 )
-from hexiseq.search.local_milp import Group, GroupRates, even_layout, rates_of, relaxed_step_s
+from hexiseq.search.local_milp import (
+    Group,
+    GroupRates,
+    busy_bound_s,
+    even_layout,
+    rates_of,
+    relaxed_step_s,
+)
 
 INFEASIBLE_S = math.inf
+BOUND_MARGIN = 1e-9
+"""A bound rules a candidate out only when above a step time by more than this (relative):
+its last bits are rounding, not evidence."""
 
 
 def with_checkpointing(problem: Problem, checkpointing: bool) -> Problem:
@@ -83,6 +93,46 @@ def estimate_s(problem: Problem, choices: GlobalChoices) -> float:
     laid out), without simulating it."""
     key = ("estimate", choices.key())
     return problem.memo(key, lambda: _estimate_s(problem, choices))
+
+
+def bound_s(problem: Problem, choices: GlobalChoices) -> float:
+    """A lower bound of `estimate_s(problem, choices)` from busy work alone (the estimate
+    itself where it is known): a candidate whose bound is no faster than a step time cannot
+    beat it, and need not be estimated."""
+    if ("estimate", choices.key()) in problem.cache:
+        return estimate_s(problem, choices)
+    return problem.memo(("bound", choices.key()), lambda: _bound_s(problem, choices))
+
+
+def _bound_s(problem: Problem, choices: GlobalChoices) -> float:
+    problem = with_checkpointing(problem, choices.activation_checkpointing)
+    quantum = resolved_quantum(problem, choices)
+    seq_len = problem.train.seq_len
+    if seq_len % (2 * quantum) or problem.cluster.world_size * 2 * quantum > seq_len:
+        return INFEASIBLE_S
+    groups, heads = grouping(problem, choices)
+    rates = group_rates(problem, groups, heads, quantum)
+    if rates is None:
+        return INFEASIBLE_S
+    return busy_bound_s(problem, groups, heads, quantum, rates)
+
+
+def fastest_estimated(
+    problem: Problem, candidates: list[GlobalChoices], count: int, below_s: float = math.inf
+) -> list[GlobalChoices]:
+    """The `count` candidates of least finite estimate under `below_s`, fastest first (ties in
+    the given order), as `sorted` by `estimate_s` would pick them, but estimating only those
+    whose bound leaves them a chance."""
+    order = sorted(range(len(candidates)), key=lambda i: bound_s(problem, candidates[i]))
+    kept: list[tuple[float, int]] = []
+    for i in order:
+        worst_kept_s = sorted(kept)[count - 1][0] if len(kept) >= count else below_s
+        if bound_s(problem, candidates[i]) > worst_kept_s * (1 + BOUND_MARGIN):
+            break
+        seconds = estimate_s(problem, candidates[i])
+        if math.isfinite(seconds) and seconds < below_s:
+            kept.append((seconds, i))
+    return [candidates[i] for _, i in sorted(kept)[:count]]
 
 
 def group_rates(

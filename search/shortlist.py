@@ -22,7 +22,7 @@ from hexiseq.search.greedy import (
     greedy_candidates,
     speed_by_type,
 )
-from hexiseq.search.screen import estimate_s
+from hexiseq.search.screen import BOUND_MARGIN, bound_s, estimate_s, fastest_estimated
 
 SCREEN_KEEP = 3
 SCREEN_KEEP_DEVICES = 768
@@ -62,9 +62,9 @@ def _descended(problem: Problem, starts: list[GlobalChoices]) -> list[GlobalChoi
         if moved.key() == best.key():
             break
         best = moved
-    ranked = sorted(scored.values(), key=lambda c: estimate_s(problem, c))
-    keep = screen_keep(problem.cluster.world_size)
-    return [c for c in ranked if math.isfinite(estimate_s(problem, c))][:keep]
+    return fastest_estimated(
+        problem, list(scored.values()), screen_keep(problem.cluster.world_size)
+    )
 
 
 def screen_keep(world_size: int) -> int:
@@ -121,5 +121,7 @@ def _descend(problem: Problem, start: GlobalChoices, scored: dict) -> GlobalChoi
 
 def _better(problem, candidate, best, best_s, scored):
     scored.setdefault(candidate.key(), candidate)
+    if bound_s(problem, candidate) > best_s * (1 + BOUND_MARGIN):
+        return best, best_s  # it cannot be faster: left unestimated
     seconds = estimate_s(problem, candidate)
     return (candidate, seconds) if seconds < best_s else (best, best_s)

@@ -1,0 +1,181 @@
+"""The local LP relaxation's optimum without an LP, where memory does not bind.
+
+`local_milp`'s relaxation minimizes the step time T over continuous segment units u_c, state
+shares f and the largest block B. Its rows split in two:
+
+- time and length rows, which involve only T and u: each class's units lie in a range that
+  widens as T grows (at most what its members compute by T, at least its size and what its
+  ring traffic needs by T), and the classes' units must cover the sequence;
+- memory rows, which tie u, B and f.
+
+Dropping the memory rows leaves a relaxation of the relaxation whose optimum T0 is the least
+T at which the ranges can cover the sequence: one monotone condition, found by vectorized
+bisection. If some point at T0 also satisfies every memory row (the units chosen inside the
+ranges, B as small as they allow, each state-share column as large as its rows allow, and
+the shares summing to at least one), T0 is the LP's optimum exactly: the LP cannot be below
+T0, and that point is feasible for it. Otherwise (memory binds) the caller solves the LP.
+The screen scores hundreds of candidates this way at a fraction of an LP's cost.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hexiseq.costmodel import memory_limit_bytes
+
+RELATIVE_TOLERANCE = 1e-12  # bisection width, relative to T
+ROUNDS = 8  # bisection rounds of POINTS step times each: 8 x log2(66) bits, far past 1e-12
+POINTS = 64
+_DOUBLINGS = 64
+
+
+def unconstrained_step_s(model, times) -> float | None:
+    """The LP optimum if memory does not bind at it, else None (memory may bind, or no step
+    time lets the units cover the sequence: let the LP say which)."""
+    ranges = _Ranges(model, times)
+    step_s = ranges.least_step_s()
+    if step_s is None:
+        return None
+    units = ranges.units_at(step_s)
+    if units is None or not _memory_fits(model, units):
+        return None
+    return step_s
+
+
+class _Ranges:
+    """Each class's continuous units at a step time T: between its size and its ring's need,
+    and what its members finish by T (the time rows of `local_milp._Model._time_rows`)."""
+
+    def __init__(self, model, times) -> None:
+        self.starts = np.concatenate([[0], np.cumsum([len(t[0]) for t in times])[:-1]])
+        self.per_unit = np.concatenate([t[0] for t in times])
+        self.fixed = np.concatenate([t[1] for t in times])
+        self.ring = np.concatenate(model.ring)
+        self.counts = np.array([len(cls.positions) for cls in model.classes], dtype=float)
+        self.smallest = np.array([float(cls.size) for cls in model.classes])
+        self.total_tokens = float(model.problem.train.seq_len)
+        self.block = 2.0 * model.quantum
+        self.high_sum = float(model.total_units)
+        self.low_sum = self.high_sum - float(self.counts.sum())
+
+    def at(self, step_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(lowest, highest) units per class at each step time: two [times, classes]."""
+        spare = step_s[:, None] - self.fixed
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cap = np.where(self.per_unit > 0, spare / self.per_unit, np.inf)
+            need = np.where(
+                self.ring > 0, (self.total_tokens - spare / self.ring) / self.block, -np.inf
+            )
+        cap = np.where(spare < 0, -np.inf, cap)
+        high = np.minimum.reduceat(cap, self.starts, axis=1)
+        low = np.maximum(np.maximum.reduceat(need, self.starts, axis=1), self.smallest)
+        return low, high
+
+    def feasible(self, step_s: np.ndarray) -> np.ndarray:
+        low, high = self.at(step_s)
+        return (
+            np.all(low <= high, axis=1)
+            & (np.minimum(high, 1e300) @ self.counts >= self.low_sum)
+            & (low @ self.counts <= self.high_sum)
+        )
+
+    def least_step_s(self) -> float | None:
+        """The least T at which the ranges cover the sequence (None: no T does)."""
+        floor_s = float(np.max(self.fixed)) if len(self.fixed) else 0.0
+        start_s = max(floor_s, 1e-12)
+        doublings = floor_s + start_s * (2.0 ** np.arange(_DOUBLINGS) - 1.0)
+        fits = np.flatnonzero(self.feasible(doublings))
+        if not len(fits):
+            return None
+        if fits[0] == 0:
+            return float(doublings[0])
+        low_s, high_s = doublings[fits[0] - 1], doublings[fits[0]]
+        for _ in range(ROUNDS):
+            if high_s - low_s <= RELATIVE_TOLERANCE * high_s:
+                break
+            points = np.linspace(low_s, high_s, POINTS + 2)[1:-1]
+            fits = self.feasible(points)
+            first = int(np.argmax(fits)) if fits.any() else len(points)
+            low_s = points[first - 1] if first else low_s
+            high_s = points[first] if first < len(points) else high_s
+        return float(high_s)
+
+    def units_at(self, step_s: float) -> np.ndarray | None:
+        """Units inside the ranges at `step_s` that cover the sequence with the least total:
+        each class at its lowest, raised in proportion toward its highest as far as the
+        length needs."""
+        low, high = (row[0] for row in self.at(np.array([step_s])))
+        if np.any(low > high) or not np.all(np.isfinite(low)):
+            return None
+        low_total = float(low @ self.counts)
+        if low_total >= self.low_sum:
+            return low
+        room = np.minimum(high, 1e300) - low
+        extra = float(room @ self.counts)
+        if extra <= 0:
+            return None
+        return low + room * min(1.0, (self.low_sum - low_total) / extra)
+
+
+def _memory_fits(model, units: np.ndarray) -> bool:
+    """Whether the memory rows hold at `units` with the largest block as small as they allow
+    and every state-share column at most what its rows leave (summing to at least one)."""
+    largest = float(np.max(units)) + 1.0 if model.multi_group else 0.0
+    share_room: dict[int, float] = {}
+    for c, kinds in enumerate(model.kinds):
+        for member, (phases, capacity) in enumerate(model.memory[c]):
+            if kinds.index(kinds[member]) != member:
+                continue  # an identical member has these rows already
+            limit = float(memory_limit_bytes(int(capacity)))
+            room = 1.0  # a share's upper bound
+            for (per_unit, per_largest, per_share), constant in phases:
+                spare = limit - constant - per_unit * units[c] - per_largest * largest
+                if per_share < 0 or per_largest < 0:
+                    return False  # not a shape this shortcut reasons about: ask the LP
+                if per_share == 0:
+                    if spare < 0:
+                        return False
+                    continue
+                room = min(room, spare / per_share)
+            if room < 0:
+                return False
+            share_room[int(model.f[c][member])] = room
+    multiplicity: dict[int, float] = {}
+    for cls, columns in zip(model.classes, model.f):
+        for column in columns:
+            multiplicity[int(column)] = multiplicity.get(int(column), 0.0) + len(cls.positions)
+    return sum(share_room[col] * n for col, n in multiplicity.items()) >= 1.0
+
+
+def busy_bound_s(model_classes, times, total_units: int) -> float:
+    """A lower bound of the LP's step time from the time rows of busy work alone (no ring,
+    no memory rows): the least T at which every class can take its size and the classes'
+    units, each at most what its slowest member computes by T, cover the sequence. The
+    units covered by T are a sum of minima of lines, concave and increasing in T, so Newton
+    steps from below reach that T without passing it (every step stays a lower bound)."""
+    counts = np.array([len(cls.positions) for cls in model_classes], dtype=float)
+    sizes = np.array([float(cls.size) for cls in model_classes])
+    per_unit = [t[0] for t in times]
+    fixed = [t[1] for t in times]
+    step_s = max(
+        max(float(np.max(b)) for b in fixed),
+        max(float(np.max(a * size + b)) for a, b, size in zip(per_unit, fixed, sizes)),
+    )
+    need = float(total_units) - float(counts.sum())
+    working = [a > 0 for a in per_unit]
+    if not all(np.any(w) for w in working):
+        return step_s  # a class with no busy work can take any units
+    for _ in range(_NEWTON_STEPS):
+        covered, slope = 0.0, 0.0
+        for n, a, b, w in zip(counts, per_unit, fixed, working):
+            caps = (step_s - b[w]) / a[w]
+            active = int(np.argmin(caps))
+            covered += n * caps[active]
+            slope += n / a[w][active]
+        if covered >= need * (1 - 1e-12):
+            break
+        step_s += (need - covered) / slope
+    return step_s
+
+
+_NEWTON_STEPS = 64

@@ -1,0 +1,109 @@
+"""The local LP relaxation without an LP, the busy-work bound, and the lazy screen ranking."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from test_local_milp import model_and_times, problem_for, three_types
+
+from hexiseq import Cluster
+from hexiseq.search._relaxation import busy_bound_s, unconstrained_step_s
+from hexiseq.search.greedy import GlobalChoices
+from hexiseq.search.screen import bound_s, estimate_s, fastest_estimated
+from hexiseq.search.shortlist import screen_degrees
+
+DEGREES = [
+    {"H100-SXM": h, "A100-80G": a, "L40S": s}
+    for h, a, s in itertools.product((1, 2, 4), (1, 3), (1, 2))
+]
+
+
+def lp_step_s(model, times) -> float | None:
+    x = model._relaxed(times)
+    return None if x is None else float(x[model.step])
+
+
+@pytest.mark.parametrize(
+    ("seq_len", "checkpointing", "always"), [(64 * 1024, False, True), (512 * 1024, True, False)]
+)
+def test_the_shortcut_equals_the_lp_wherever_it_answers(seq_len, checkpointing, always):
+    """Over many groupings, the shortcut either declines (memory may bind) or gives the LP's
+    own optimum; at 64K without recompute memory binds nowhere, so it answers every time."""
+    problem = problem_for(three_types(), "llama3-8b", seq_len, checkpointing)
+    answered = 0
+    for degrees in DEGREES:
+        model, times, _ = model_and_times(problem, degrees, 64)
+        lp = lp_step_s(model, times)
+        fast = unconstrained_step_s(model, times)
+        if fast is not None:
+            answered += 1
+            assert lp is not None and fast == pytest.approx(lp, rel=1e-9)
+    assert answered == len(DEGREES) if always else answered > 0
+
+
+def test_the_shortcut_declines_where_memory_binds():
+    """13B at 512K on H100s beside 24 GiB cards: the LP's optimum is set by the small
+    cards' memory, so the shortcut must leave it to the LP, not report the busy-only time."""
+    cluster = Cluster.from_dict(
+        {
+            "name": "big-and-small",
+            "nodes": [
+                {"name": "n0", "gpu": "H100-SXM", "count": 8},
+                {"name": "n1", "gpu": "RTX-4090", "count": 8},
+            ],
+            "network": {"inter_node_GBps": 50},
+        }
+    )
+    problem = problem_for(cluster, "llama2-13b", 512 * 1024)
+    model, times, classes = model_and_times(problem, {"H100-SXM": 4, "RTX-4090": 4}, 256)
+    lp = lp_step_s(model, times)
+    busy = busy_bound_s(classes, times, model.total_units)
+    assert lp is not None and lp > busy * 1.01  # memory, not busy work, sets the optimum
+    assert unconstrained_step_s(model, times) is None
+
+
+@pytest.mark.parametrize("seq_len", [64 * 1024, 512 * 1024])
+def test_the_busy_bound_never_exceeds_the_lp(seq_len):
+    problem = problem_for(three_types(), "llama3-8b", seq_len)
+    for degrees in DEGREES:
+        model, times, classes = model_and_times(problem, degrees, 64)
+        lp = lp_step_s(model, times)
+        bound = busy_bound_s(classes, times, model.total_units)
+        assert bound > 0
+        if lp is not None:
+            assert bound <= lp * (1 + 1e-12)
+
+
+def test_the_lazy_ranking_picks_what_sorting_every_estimate_picks():
+    problem = problem_for(Cluster.preset("mix4-32"), "llama3-8b", 512 * 1024)
+    base = {gpu: 1 for gpu in problem.cluster.gpu_types}
+    candidates = [
+        GlobalChoices({**base, gpu: degree}, "bandwidth", 256)
+        for gpu in problem.cluster.gpu_types
+        for degree in screen_degrees(problem, gpu)
+    ]
+    for count, below_s in [(1, math.inf), (3, math.inf), (4, None)]:
+        if below_s is None:  # a threshold inside the range of estimates
+            below_s = float(np.median([estimate_s(problem, c) for c in candidates]))
+        lazy = fastest_estimated(problem, candidates, count, below_s)
+        finite = [c for c in candidates if estimate_s(problem, c) < below_s]
+        eager = sorted(finite, key=lambda c: estimate_s(problem, c))[:count]
+        assert [c.key() for c in lazy] == [c.key() for c in eager]
+    for choices in candidates:
+        assert bound_s(problem, choices) <= estimate_s(problem, choices)
+
+
+def test_the_lazy_ranking_estimates_fewer_candidates():
+    problem = problem_for(Cluster.preset("mix4-32"), "llama3-8b", 512 * 1024)
+    base = {gpu: 1 for gpu in problem.cluster.gpu_types}
+    candidates = [
+        GlobalChoices({**base, gpu: degree}, "bandwidth", 256)
+        for gpu in problem.cluster.gpu_types
+        for degree in screen_degrees(problem, gpu)
+    ]
+    fastest_estimated(problem, candidates, 2)
+    estimated = sum(1 for key in problem.cache if key[0] == "estimate")
+    assert estimated < len(candidates)
