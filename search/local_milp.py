@@ -364,14 +364,13 @@ class _Model:
         step time: `_fastest_units` solves it exactly, and an LP re-solves the state shares
         and headroom for those units. Branch and bound runs only where that finds no split
         (the relaxed shares leave no integer room)."""
-        rows = self._rows(times)
-        fastest = self._relaxed(times)
-        if fastest is None:  # the relaxation is infeasible, so is every integer split
+        bound_s = self.relaxed_step_s(times)
+        if bound_s is None:  # the relaxation is infeasible, so is every integer split
             return None
-        bound_s = fastest[self.step]
+        rows = self._rows(times)
         rows.add({self.step: 1.0}, -np.inf, bound_s * (1 + TIME_TOLERANCE))
         roomiest = self._run(rows, self.utilization, relaxed=True)
-        relaxed = roomiest if roomiest is not None else fastest
+        relaxed = roomiest if roomiest is not None else self._relaxed(times)
         rounded = self._rounded(rows, relaxed, times, bound_s)
         if rounded is not None:
             return self._answer(rounded)
