@@ -47,6 +47,7 @@ class _Ranges:
     and what its members finish by T (the time rows of `local_milp._Model._time_rows`)."""
 
     def __init__(self, model, times) -> None:
+        self.times = times
         self.starts = np.concatenate([[0], np.cumsum([len(t[0]) for t in times])[:-1]])
         self.per_unit = np.concatenate([t[0] for t in times])
         self.fixed = np.concatenate([t[1] for t in times])
@@ -80,7 +81,13 @@ class _Ranges:
         )
 
     def least_step_s(self) -> float | None:
-        """The least T at which the ranges cover the sequence (None: no T does)."""
+        """The least T at which the ranges cover the sequence (None: no T does). Most often
+        the busy rows alone set it: their root (`_busy_root`) is tried first, and only
+        where the ring's or the classes' sizes bind does a bisection search further up."""
+        busy_s = _busy_root(self.counts, self.smallest, self.times, self.low_sum)
+        guess_s = busy_s * (1 + RELATIVE_TOLERANCE)
+        if self.feasible(np.array([guess_s]))[0]:
+            return guess_s
         floor_s = float(np.max(self.fixed)) if len(self.fixed) else 0.0
         start_s = max(floor_s, 1e-12)
         doublings = floor_s + start_s * (2.0 ** np.arange(_DOUBLINGS) - 1.0)
@@ -150,18 +157,24 @@ def _memory_fits(model, units: np.ndarray) -> bool:
 def busy_bound_s(model_classes, times, total_units: int) -> float:
     """A lower bound of the LP's step time from the time rows of busy work alone (no ring,
     no memory rows): the least T at which every class can take its size and the classes'
-    units, each at most what its slowest member computes by T, cover the sequence. The
-    units covered by T are a sum of minima of lines, concave and increasing in T, so Newton
-    steps from below reach that T without passing it (every step stays a lower bound)."""
+    units, each at most what its slowest member computes by T, cover the sequence."""
     counts = np.array([len(cls.positions) for cls in model_classes], dtype=float)
     sizes = np.array([float(cls.size) for cls in model_classes])
+    return _busy_root(counts, sizes, times, float(total_units) - float(counts.sum()))
+
+
+def _busy_root(counts: np.ndarray, sizes: np.ndarray, times, need: float) -> float:
+    """The least T with every member's T >= its fixed seconds plus its busy seconds at the
+    class's size, and sum over classes of count x units (each class at most what its
+    slowest member computes by T) >= `need`. The units covered by T are a sum of minima of
+    lines, concave and increasing in T, so Newton steps from below reach that T without
+    passing it (every step stays a lower bound)."""
     per_unit = [t[0] for t in times]
     fixed = [t[1] for t in times]
     step_s = max(
         max(float(np.max(b)) for b in fixed),
         max(float(np.max(a * size + b)) for a, b, size in zip(per_unit, fixed, sizes)),
     )
-    need = float(total_units) - float(counts.sum())
     working = [a > 0 for a in per_unit]
     if not all(np.any(w) for w in working):
         return step_s  # a class with no busy work can take any units

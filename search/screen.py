@@ -41,6 +41,14 @@ INFEASIBLE_S = math.inf
 BOUND_MARGIN = 1e-9
 """A bound rules a candidate out only when above a step time by more than this (relative):
 its last bits are rounding, not evidence."""
+TIE_DIGITS = 9
+"""Estimates are compared to this many significant digits: two candidates closer than that
+tie (the earlier one stays first), whatever rounding the LP or the shortcut left in them."""
+
+
+def tie_key(seconds: float) -> float:
+    """`seconds` to TIE_DIGITS significant digits, for comparing and ranking estimates."""
+    return float(f"{seconds:.{TIE_DIGITS - 1}e}") if math.isfinite(seconds) else seconds
 
 
 def with_checkpointing(problem: Problem, checkpointing: bool) -> Problem:
@@ -120,9 +128,9 @@ def _bound_s(problem: Problem, choices: GlobalChoices) -> float:
 def fastest_estimated(
     problem: Problem, candidates: list[GlobalChoices], count: int, below_s: float = math.inf
 ) -> list[GlobalChoices]:
-    """The `count` candidates of least finite estimate under `below_s`, fastest first (ties in
-    the given order), as `sorted` by `estimate_s` would pick them, but estimating only those
-    whose bound leaves them a chance."""
+    """The `count` candidates of least finite estimate under `below_s`, fastest first (ties,
+    `tie_key`, in the given order), as sorting every estimate would pick them, but estimating
+    only those whose bound leaves them a chance."""
     order = sorted(range(len(candidates)), key=lambda i: bound_s(problem, candidates[i]))
     kept: list[tuple[float, int]] = []
     for i in order:
@@ -130,8 +138,8 @@ def fastest_estimated(
         if bound_s(problem, candidates[i]) > worst_kept_s * (1 + BOUND_MARGIN):
             break
         seconds = estimate_s(problem, candidates[i])
-        if math.isfinite(seconds) and seconds < below_s:
-            kept.append((seconds, i))
+        if math.isfinite(seconds) and tie_key(seconds) < tie_key(below_s):
+            kept.append((tie_key(seconds), i))
     return [candidates[i] for _, i in sorted(kept)[:count]]
 
 

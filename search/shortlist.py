@@ -22,7 +22,13 @@ from hexiseq.search.greedy import (
     greedy_candidates,
     speed_by_type,
 )
-from hexiseq.search.screen import BOUND_MARGIN, bound_s, estimate_s, fastest_estimated
+from hexiseq.search.screen import (
+    BOUND_MARGIN,
+    bound_s,
+    estimate_s,
+    fastest_estimated,
+    tie_key,
+)
 
 SCREEN_KEEP = 3
 SCREEN_KEEP_DEVICES = 768
@@ -48,13 +54,13 @@ def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
     default, *others = chosen.values()
     finite = [c for c in others if math.isfinite(estimate_s(problem, c))]
     infinite = [c for c in others if not math.isfinite(estimate_s(problem, c))]
-    return [default, *sorted(finite, key=lambda c: estimate_s(problem, c)), *infinite[:1]]
+    return [default, *sorted(finite, key=lambda c: tie_key(estimate_s(problem, c))), *infinite[:1]]
 
 
 def _descended(problem: Problem, starts: list[GlobalChoices]) -> list[GlobalChoices]:
     """The best-screened candidates of a descent over HP degrees from the best start."""
     scored = {c.key(): c for c in starts}
-    best = min(starts, key=lambda c: estimate_s(problem, c))
+    best = min(starts, key=lambda c: tie_key(estimate_s(problem, c)))
     if not math.isfinite(estimate_s(problem, best)):
         return []
     for _ in range(SCREEN_SWEEPS):
@@ -124,4 +130,4 @@ def _better(problem, candidate, best, best_s, scored):
     if bound_s(problem, candidate) > best_s * (1 + BOUND_MARGIN):
         return best, best_s  # it cannot be faster: left unestimated
     seconds = estimate_s(problem, candidate)
-    return (candidate, seconds) if seconds < best_s else (best, best_s)
+    return (candidate, seconds) if tie_key(seconds) < tie_key(best_s) else (best, best_s)

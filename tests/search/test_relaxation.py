@@ -12,7 +12,7 @@ from test_local_milp import model_and_times, problem_for, three_types
 from hexiseq import Cluster
 from hexiseq.search._relaxation import busy_bound_s, unconstrained_step_s
 from hexiseq.search.greedy import GlobalChoices
-from hexiseq.search.screen import bound_s, estimate_s, fastest_estimated
+from hexiseq.search.screen import bound_s, estimate_s, fastest_estimated, tie_key
 from hexiseq.search.shortlist import screen_degrees
 
 DEGREES = [
@@ -89,8 +89,8 @@ def test_the_lazy_ranking_picks_what_sorting_every_estimate_picks():
         if below_s is None:  # a threshold inside the range of estimates
             below_s = float(np.median([estimate_s(problem, c) for c in candidates]))
         lazy = fastest_estimated(problem, candidates, count, below_s)
-        finite = [c for c in candidates if estimate_s(problem, c) < below_s]
-        eager = sorted(finite, key=lambda c: estimate_s(problem, c))[:count]
+        finite = [c for c in candidates if tie_key(estimate_s(problem, c)) < tie_key(below_s)]
+        eager = sorted(finite, key=lambda c: tie_key(estimate_s(problem, c)))[:count]
         assert [c.key() for c in lazy] == [c.key() for c in eager]
     for choices in candidates:
         assert bound_s(problem, choices) <= estimate_s(problem, choices)
