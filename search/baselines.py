@@ -217,9 +217,11 @@ def data_parallel(problem: Problem) -> DataParallelBaseline | None:
     subset)."""
     from hexiseq.search.replicas import balanced_sequences  # it imports this module
 
+    if len(problem.cluster.gpu_types) < 2:
+        return None
     one = replace(problem, train=replace(problem.train, micro_batches=1))
     fitting = {gpu: p for gpu, p in type_subsets(one).items() if isinstance(p, Plan)}
-    if len(fitting) < 2 or len(problem.cluster.gpu_types) < 2:
+    if len(fitting) < 2:
         return None
     sync_s = _gradient_sync_s(problem, [p.cluster.world_size for p in fitting.values()])
     steps = {gpu: plan.predicted.step_time_s for gpu, plan in fitting.items()}
