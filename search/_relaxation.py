@@ -167,26 +167,26 @@ def _busy_root(counts: np.ndarray, sizes: np.ndarray, times, need: float) -> flo
     """The least T with every member's T >= its fixed seconds plus its busy seconds at the
     class's size, and sum over classes of count x units (each class at most what its
     slowest member computes by T) >= `need`. The units covered by T are a sum of minima of
-    lines, concave and increasing in T, so Newton steps from below reach that T without
-    passing it (every step stays a lower bound)."""
-    per_unit = [t[0] for t in times]
-    fixed = [t[1] for t in times]
-    step_s = max(
-        max(float(np.max(b)) for b in fixed),
-        max(float(np.max(a * size + b)) for a, b, size in zip(per_unit, fixed, sizes)),
-    )
-    working = [a > 0 for a in per_unit]
-    if not all(np.any(w) for w in working):
+    lines, concave and increasing in T, so Newton steps from below (any line of each class's
+    minimum: each lies above it) reach that T without passing it."""
+    per_unit = np.concatenate([t[0] for t in times])
+    fixed = np.concatenate([t[1] for t in times])
+    owner = np.repeat(np.arange(len(times)), [len(t[0]) for t in times])
+    step_s = max(float(np.max(fixed)), float(np.max(per_unit * sizes[owner] + fixed)))
+    working = per_unit > 0
+    if len(np.unique(owner[working])) < len(times):
         return step_s  # a class with no busy work can take any units
+    a, b, owner = per_unit[working], fixed[working], owner[working]
+    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
     for _ in range(_NEWTON_STEPS):
-        covered, slope = 0.0, 0.0
-        for n, a, b, w in zip(counts, per_unit, fixed, working):
-            caps = (step_s - b[w]) / a[w]
-            active = int(np.argmin(caps))
-            covered += n * caps[active]
-            slope += n / a[w][active]
+        caps = (step_s - b) / a
+        lowest = np.minimum.reduceat(caps, starts)
+        covered = float(counts @ lowest)
         if covered >= need * (1 - 1e-12):
             break
+        at_minimum = np.flatnonzero(caps == lowest[owner])
+        _, first = np.unique(owner[at_minimum], return_index=True)
+        slope = float(counts @ (1.0 / a[at_minimum[first]]))
         step_s += (need - covered) / slope
     return step_s
 

@@ -262,6 +262,13 @@ def _ring_rate(
 
 
 def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
+    """The classes of interchangeable groups, once per grouping in a search (the screen's
+    bound, its estimate and the local solve all ask)."""
+    key = ("classes", tuple(groups), tuple(tuple(h) for h in heads))
+    return problem.memo(key, lambda: _new_classes(problem, groups, heads))
+
+
+def _new_classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
     cluster = problem.cluster
     devices = cluster.devices
     members: dict[tuple, list[int]] = {}
