@@ -15,7 +15,6 @@ and returns the Pareto front.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +35,6 @@ from hexiseq.search.objective import (
 )
 from hexiseq.search.options import SearchOptions
 from hexiseq.search.polish import POLISH_STARTS, polish, polish_evaluations
-from hexiseq.search.screen import estimate_s, tie_key
 from hexiseq.search.shortlist import shortlist
 from hexiseq.search.studies import create_study, recover_killed_trials, study_storage_errors
 from hexiseq.search.workers import run_workers
@@ -164,25 +162,12 @@ def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
     """The screened short list, the greedy default first, at most `limit` trials (a trial
     count is exact). Each is scored here and added to the study finished, in one write: never
     a waiting trial that two processes sharing the study could both take (SQLite cannot lock
-    it), nor a running one a kill could leave behind. A candidate whose estimate is no faster
-    than a plan already scored is left out (single-objective searches): the estimate, busy
-    work balanced by the LP without the ring's waits, is below the step the simulator gives
-    (`search.screen`), so it cannot win; the polish screens regroupings by the same rule.
-    Returns how many trials it added."""
+    it), nor a running one a kill could leave behind. Returns how many trials it added."""
     quantum = objective.quanta[len(objective.quanta) // 2]
-    problem = objective.problem
-    best_s, added = math.inf, 0
-    for choices in shortlist(problem, objective.quanta)[:limit]:
-        if not objective.multi_objective and tie_key(estimate_s(problem, choices)) >= tie_key(
-            best_s
-        ):
-            continue
+    candidates = shortlist(objective.problem, objective.quanta)[:limit]
+    for choices in candidates:
         study.add_trial(objective.scored_trial(params_of(choices, quantum)))
-        added += 1
-        plan = objective.plan(choices)
-        if isinstance(plan, Plan):
-            best_s = min(best_s, plan.predicted.step_time_s)
-    return added
+    return len(candidates)
 
 
 def _outcome(

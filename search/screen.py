@@ -10,6 +10,12 @@ of `local_milp`) plus the non-busy time the probes saw (optimizer, exposed commu
 That screens a candidate in about a millisecond, so the search simulates only the few it
 keeps (`search.shortlist`, `search.polish`). The estimate cannot tell ring orders or chunk
 quanta apart: those are scored by full evaluation.
+
+Where memory does not bind at the LP's optimum, the optimum comes without an LP
+(`search._relaxation`). Cheaper still is `bound_s`, the busy rows alone: a lower bound of the
+estimate, so a descent move or a ranking need not estimate a candidate whose bound already
+loses (`fastest_estimated` picks what sorting every estimate would). Estimates compare to
+TIE_DIGITS significant digits, so the rounding of the LP or the shortcut breaks no tie.
 """
 
 from __future__ import annotations

@@ -6,7 +6,11 @@ the local LP, no simulation), then, for each checkpointing setting, a coordinate
 the screen moves one GPU type's HP degree at a time while the estimate improves. The greedy
 picks and the best-screened candidates of each descent (`screen_keep`) are what the search
 evaluates in full. The screen misses the ring's exposed waits (it is 10-35 % optimistic for
-low HP degrees), so it ranks candidates but never rules one out by itself.
+low HP degrees) and prices each group by its rates at even loads (it can also be 30 %
+pessimistic: HP degree 1 of tiny-7h on A100s), so it ranks candidates but never rules one
+out by itself. Leaving out the short list's candidates whose estimate lost to a plan already
+scored was tried: it cost one plan_quality cluster 16 % (a left-out candidate was a start
+the polish needed), so every candidate is scored.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ SCREEN_SWEEPS = 2
 SCREEN_ALL_DEGREES = 8
 SCREEN_ALL_DEGREES_UP_TO = 32
 """Clusters up to this many devices screen every HP degree; larger ones the powers of two and
-the largest. At 64 it made 64 GPUs of 8 types 0.58 s against 0.36 s, for the same plans on
+the largest. At 64 it made 64 GPUs of 8 types 0.85 s against 0.60 s, for the same plans on
 the 12 planner-scaling cells of 64 GPUs and 16 random clusters of 33-64 GPUs."""
 
 
