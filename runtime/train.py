@@ -26,6 +26,11 @@ What is measured (per rank, per step):
   "cuda_max_allocated". CPU: the process's peak resident set size since it started
   (`resource.getrusage(RUSAGE_SELF).ru_maxrss`, KiB on Linux), which includes Python, torch
   and gloo: memory_measure "cpu_max_rss"; it never decreases from step to step.
+- CUDA also: reserved_peak_bytes, `torch.cuda.max_memory_reserved` of the step (the caching
+  allocator's pool at its largest), and outside_allocator_bytes, the device memory in use at
+  the step's end that the allocator does not hold (total - free - `memory_reserved`: CUDA
+  context, library workspaces, NCCL buffers): together what the device held, against the
+  memory model's peak with its reserve.
 - Model states: sharded over all ranks in the plan's `state_fraction`s, even or not, FP32
   master shards with the model computing in the compute dtype (`sharding`); the model is
   built on the meta device and each rank draws only its shards' initial values.
@@ -312,6 +317,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     finally:
         dist.destroy_process_group()
+
+
+def cuda_reserved_bytes(device: torch.device) -> tuple[int, int]:
+    """(the allocator's reserved peak since the stats were reset, the device memory in use now
+    outside the allocator's pool)."""
+    free, total = torch.cuda.mem_get_info(device)
+    outside = total - free - torch.cuda.memory_reserved(device)
+    return int(torch.cuda.max_memory_reserved(device)), int(max(outside, 0))
 
 
 def allocator_settings(current: str) -> str:
@@ -789,6 +802,7 @@ def measure_step(
         rank_time_s = events[0].elapsed_time(events[1]) / 1e3
         step_time_s = events[0].elapsed_time(events[2]) / 1e3
         peak_bytes = torch.cuda.max_memory_allocated(context.device)
+        reserved = cuda_reserved_bytes(context.device)
     else:
         step_time_s = time.perf_counter() - began
         rank_time_s = own_end - began
@@ -800,6 +814,8 @@ def measure_step(
         rank_time_s=rank_time_s,
         peak_memory_bytes=int(peak_bytes),
         memory_measure="cuda_max_allocated" if cuda else "cpu_max_rss",
+        reserved_peak_bytes=reserved[0] if cuda else None,
+        outside_allocator_bytes=reserved[1] if cuda else None,
         device=context.device_label,
         loss=loss,
         emulation_slowdown=context.slowdown,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -79,9 +80,17 @@ class RuntimeMeasurementRow(StoreBase):
     step: Mapped[int]
     step_time_s: Mapped[float] = mapped_column(Float)
     rank_time_s: Mapped[float] = mapped_column(Float)
-    peak_memory_bytes: Mapped[int]
+    peak_memory_bytes: Mapped[int] = mapped_column(BigInteger)
     memory_measure: Mapped[str] = mapped_column(String)
     """"cuda_max_allocated" (per step) or "cpu_max_rss" (process lifetime peak)."""
+    reserved_peak_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """CUDA: `torch.cuda.max_memory_reserved` of the step (the caching allocator's pool at its
+    largest: allocated tensors plus the cached, fragmented rest). None on CPU and in rows from
+    before it was recorded."""
+    outside_allocator_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    """CUDA: device memory in use at the step's end that the allocator does not hold (total -
+    free - `memory_reserved`: the CUDA context, library workspaces, NCCL buffers, and any other
+    process on the device). None on CPU and in older rows."""
     device: Mapped[str] = mapped_column(String)
     loss: Mapped[float] = mapped_column(Float)
     emulation_slowdown: Mapped[float] = mapped_column(Float)
@@ -118,6 +127,8 @@ _MEASUREMENT_FIELDS = (
     "rank_time_s",
     "peak_memory_bytes",
     "memory_measure",
+    "reserved_peak_bytes",
+    "outside_allocator_bytes",
     "device",
     "loss",
     "emulation_slowdown",
@@ -145,6 +156,10 @@ class RuntimeMeasurement:
     """The attention kernels this rank really ran in the step (`hexiseq.kernels` names, sorted
     and comma-joined, as `hexiseq.runtime.kernels.take_used_kernels` gives them); "" when not
     recorded (runs stored before kernels were, or a step that ran no attention)."""
+    reserved_peak_bytes: int | None = None
+    """See `RuntimeMeasurementRow.reserved_peak_bytes` (None: not measured)."""
+    outside_allocator_bytes: int | None = None
+    """See `RuntimeMeasurementRow.outside_allocator_bytes` (None: not measured)."""
 
 
 class RuntimeTables:
