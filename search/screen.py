@@ -119,16 +119,8 @@ def bound_s(problem: Problem, choices: GlobalChoices) -> float:
 
 
 def _bound_s(problem: Problem, choices: GlobalChoices) -> float:
-    problem = with_checkpointing(problem, choices.activation_checkpointing)
-    quantum = resolved_quantum(problem, choices)
-    seq_len = problem.train.seq_len
-    if seq_len % (2 * quantum) or problem.cluster.world_size * 2 * quantum > seq_len:
-        return INFEASIBLE_S
-    groups, heads = grouping(problem, choices)
-    rates = group_rates(problem, groups, heads, quantum)
-    if rates is None:
-        return INFEASIBLE_S
-    return busy_bound_s(problem, groups, heads, quantum, rates)
+    priced = _priced(problem, choices)
+    return INFEASIBLE_S if priced is None else busy_bound_s(*priced)
 
 
 def fastest_estimated(
@@ -168,17 +160,22 @@ def group_rates(
 
 
 def _estimate_s(problem: Problem, choices: GlobalChoices) -> float:
+    priced = _priced(problem, choices)
+    step_s = None if priced is None else relaxed_step_s(*priced)
+    return INFEASIBLE_S if step_s is None else step_s
+
+
+def _priced(problem: Problem, choices: GlobalChoices) -> tuple | None:
+    """(problem with the choices' checkpointing, groups, heads, quantum, busy rates): what
+    the estimate and its bound price; None when the sequence cannot be laid out."""
     problem = with_checkpointing(problem, choices.activation_checkpointing)
     quantum = resolved_quantum(problem, choices)
     seq_len = problem.train.seq_len
     if seq_len % (2 * quantum) or problem.cluster.world_size * 2 * quantum > seq_len:
-        return INFEASIBLE_S
+        return None
     groups, heads = grouping(problem, choices)
     rates = group_rates(problem, groups, heads, quantum)
-    if rates is None:
-        return INFEASIBLE_S
-    step_s = relaxed_step_s(problem, groups, heads, quantum, rates)
-    return INFEASIBLE_S if step_s is None else step_s
+    return None if rates is None else (problem, groups, heads, quantum, rates)
 
 
 def _probe(problem: Problem, degree: int, quantum: int) -> None:

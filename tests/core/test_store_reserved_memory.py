@@ -4,11 +4,10 @@ older stores (the shared H100 one) opening with every row and these columns empt
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 
 import pytest
-from test_store_runtime_kernels import SHARED_H100_STORE, _measurement, _run
+from test_store_runtime_kernels import SHARED_H100_STORE, _measurement, _run, shared_store_copy
 
 from hexiseq.store import Store
 
@@ -41,10 +40,7 @@ def test_reserved_memory_round_trips_at_gpu_sizes_on_postgresql(postgresql_datab
 
 @pytest.mark.skipif(not SHARED_H100_STORE.exists(), reason="no ../shared/data here")
 def test_the_shared_h100_store_opens_with_every_row_and_no_reserved_figures(tmp_path):
-    path = tmp_path / "h100.db"
-    shutil.copy(SHARED_H100_STORE, path)
-    path.chmod(0o644)
-    with Store.open(f"sqlite:///{path}") as store:
+    with Store.open(shared_store_copy(tmp_path)) as store:
         runs = store.list_runtime_runs()
         rows = [m for run in runs for m in store.runtime_measurements(run["id"])]
     assert len(runs) >= 6 and len(rows) >= 20

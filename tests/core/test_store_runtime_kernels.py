@@ -19,6 +19,14 @@ VERSION_1_STORE = Path(__file__).with_name("data") / "store-v1.db"
 """A store written by hexiseq cde2901 (schema version 1, before migrations)."""
 
 
+def shared_store_copy(tmp_path: Path) -> str:
+    """The URL of a writable copy of the shared H100 store."""
+    path = tmp_path / "h100.db"
+    shutil.copy(SHARED_H100_STORE, path)
+    path.chmod(0o644)
+    return f"sqlite:///{path}"
+
+
 def _run(store: Store) -> int:
     return store.save_runtime_run(
         '{"name": "p"}',
@@ -106,10 +114,7 @@ def test_a_store_from_before_kernels_were_recorded_opens_with_every_row(tmp_path
 
 @pytest.mark.skipif(not SHARED_H100_STORE.exists(), reason="no ../shared/data here")
 def test_the_shared_h100_store_opens_keeps_its_runs_and_records_kernels(tmp_path):
-    path = tmp_path / "h100.db"
-    shutil.copy(SHARED_H100_STORE, path)
-    path.chmod(0o644)
-    with Store.open(f"sqlite:///{path}") as store:
+    with Store.open(shared_store_copy(tmp_path)) as store:
         runs = store.list_runtime_runs()
         assert len(runs) >= 6 and {run["attention_kernels"] for run in runs} == {""}
         first = min(run["id"] for run in runs)

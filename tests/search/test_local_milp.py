@@ -94,9 +94,9 @@ def test_identical_members_share_one_state_share_column():
     assert len(set(model.f[0])) == 1  # eight members, one column
 
 
-def test_a_memory_bound_split_gives_the_small_card_less_and_still_fits():
-    # 70B over H100s and 24 GiB cards: the 4090s' memory, not their speed, caps their share.
-    cluster = Cluster.from_dict(
+def big_and_small() -> Cluster:
+    """8 H100s beside 8 cards of 24 GiB."""
+    return Cluster.from_dict(
         {
             "name": "big-and-small",
             "nodes": [
@@ -106,7 +106,11 @@ def test_a_memory_bound_split_gives_the_small_card_less_and_still_fits():
             "network": {"inter_node_GBps": 50},
         }
     )
-    problem = problem_for(cluster, "llama2-13b", 256 * 1024)
+
+
+def test_a_memory_bound_split_gives_the_small_card_less_and_still_fits():
+    # 70B over H100s and 24 GiB cards: the 4090s' memory, not their speed, caps their share.
+    problem = problem_for(big_and_small(), "llama2-13b", 256 * 1024)
     plan = plan_for_choices(problem, GlobalChoices({"H100-SXM": 8, "RTX-4090": 8}))
     assert isinstance(plan, Plan)
     by_gpu = {}

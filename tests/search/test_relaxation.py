@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from test_local_milp import model_and_times, problem_for, three_types
+from test_local_milp import big_and_small, model_and_times, problem_for, three_types
 
 from hexiseq import Cluster
 from hexiseq.search._relaxation import busy_bound_s, unconstrained_step_s
@@ -47,17 +47,7 @@ def test_the_shortcut_equals_the_lp_wherever_it_answers(seq_len, checkpointing, 
 def test_the_shortcut_declines_where_memory_binds():
     """13B at 512K on H100s beside 24 GiB cards: the LP's optimum is set by the small
     cards' memory, so the shortcut must leave it to the LP, not report the busy-only time."""
-    cluster = Cluster.from_dict(
-        {
-            "name": "big-and-small",
-            "nodes": [
-                {"name": "n0", "gpu": "H100-SXM", "count": 8},
-                {"name": "n1", "gpu": "RTX-4090", "count": 8},
-            ],
-            "network": {"inter_node_GBps": 50},
-        }
-    )
-    problem = problem_for(cluster, "llama2-13b", 512 * 1024)
+    problem = problem_for(big_and_small(), "llama2-13b", 512 * 1024)
     model, times, classes = model_and_times(problem, {"H100-SXM": 4, "RTX-4090": 4}, 256)
     lp = lp_step_s(model, times)
     busy = busy_bound_s(classes, times, model.total_units)
@@ -77,14 +67,19 @@ def test_the_busy_bound_never_exceeds_the_lp(seq_len):
             assert bound <= lp * (1 + 1e-12)
 
 
-def test_the_lazy_ranking_picks_what_sorting_every_estimate_picks():
-    problem = problem_for(Cluster.preset("mix4-32"), "llama3-8b", 512 * 1024)
+def one_type_moves(problem) -> list[GlobalChoices]:
+    """Every single-type HP degree change from all types at degree 1."""
     base = {gpu: 1 for gpu in problem.cluster.gpu_types}
-    candidates = [
+    return [
         GlobalChoices({**base, gpu: degree}, "bandwidth", 256)
         for gpu in problem.cluster.gpu_types
         for degree in screen_degrees(problem, gpu)
     ]
+
+
+def test_the_lazy_ranking_picks_what_sorting_every_estimate_picks():
+    problem = problem_for(Cluster.preset("mix4-32"), "llama3-8b", 512 * 1024)
+    candidates = one_type_moves(problem)
     for count, below_s in [(1, math.inf), (3, math.inf), (4, None)]:
         if below_s is None:  # a threshold inside the range of estimates
             below_s = float(np.median([estimate_s(problem, c) for c in candidates]))
@@ -98,12 +93,7 @@ def test_the_lazy_ranking_picks_what_sorting_every_estimate_picks():
 
 def test_the_lazy_ranking_estimates_fewer_candidates():
     problem = problem_for(Cluster.preset("mix4-32"), "llama3-8b", 512 * 1024)
-    base = {gpu: 1 for gpu in problem.cluster.gpu_types}
-    candidates = [
-        GlobalChoices({**base, gpu: degree}, "bandwidth", 256)
-        for gpu in problem.cluster.gpu_types
-        for degree in screen_degrees(problem, gpu)
-    ]
+    candidates = one_type_moves(problem)
     fastest_estimated(problem, candidates, 2)
     estimated = sum(1 for key in problem.cache if key[0] == "estimate")
     assert estimated < len(candidates)
