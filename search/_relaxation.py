@@ -9,12 +9,14 @@ shares f and the largest block B. Its rows split in two:
 - memory rows, which tie u, B and f.
 
 Dropping the memory rows leaves a relaxation of the relaxation whose optimum T0 is the least
-T at which the ranges can cover the sequence: one monotone condition, found by vectorized
-bisection. If some point at T0 also satisfies every memory row (the units chosen inside the
-ranges, B as small as they allow, each state-share column as large as its rows allow, and
-the shares summing to at least one), T0 is the LP's optimum exactly: the LP cannot be below
-T0, and that point is feasible for it. Otherwise (memory binds) the caller solves the LP.
-The screen scores hundreds of candidates this way at a fraction of an LP's cost.
+T at which the ranges can cover the sequence: one monotone condition. Most often the busy
+rows alone set it, and their root comes by Newton steps (`_busy_root`); else a vectorized
+bisection finds it. If some point at T0 also satisfies every memory row (the units chosen
+inside the ranges, B as small as they allow, each state-share column as large as its rows
+allow, and the shares summing to at least one), T0 is the LP's optimum exactly: the LP
+cannot be below T0, and that point is feasible for it. Otherwise (memory binds) the caller
+solves the LP. The screen scores hundreds of candidates this way at a fraction of an LP's
+cost.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ RELATIVE_TOLERANCE = 1e-12  # bisection width, relative to T
 ROUNDS = 8  # bisection rounds of POINTS step times each: 8 x log2(66) bits, far past 1e-12
 POINTS = 64
 _DOUBLINGS = 64
+_NEWTON_STEPS = 64  # a piecewise-linear root: exact after as many steps as pieces it crosses
 
 
 def unconstrained_step_s(model, times) -> float | None:
@@ -189,6 +192,3 @@ def _busy_root(counts: np.ndarray, sizes: np.ndarray, times, need: float) -> flo
         slope = float(counts @ (1.0 / a[at_minimum[first]]))
         step_s += (need - covered) / slope
     return step_s
-
-
-_NEWTON_STEPS = 64
