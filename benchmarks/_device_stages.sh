@@ -1,7 +1,16 @@
-# Sourced by benchmarks/device_session.sh and device_recheck.sh (which set DEADLINE_S and
-# START_S): `left` prints the seconds left of the call's budget; `stage NAME CAP_S COMMAND...`
+# Sourced by benchmarks/device_session.sh and device_recheck.sh. `begin LOG DEADLINE_S` sets
+# OUT (default /tmp/device-out), the call's budget (DEADLINE_S, overridable by the environment)
+# and its start, and tees all output to $OUT/LOG. `left` prints the seconds left of the call's budget; `stage NAME CAP_S COMMAND...`
 # runs COMMAND (a program: `timeout` cannot run a shell function) for at most min(CAP_S, the
-# time left), skips it under 15 s, and returns its exit status.
+# time left), skips it under 15 s, and returns its exit status. `install_wheels` installs the
+# carried wheels and this checkout of hexiseq under /tmp and puts them on PYTHONPATH and PATH.
+begin() {
+    OUT=${OUT:-/tmp/device-out}
+    mkdir -p "$OUT"
+    DEADLINE_S=${DEADLINE_S:-$2}
+    START_S=$(date +%s)
+    exec > >(tee -a "$OUT/$1") 2>&1
+}
 left() { echo $((DEADLINE_S - ($(date +%s) - START_S))); }
 stage() {
     local name=$1 cap=$2 limit rc
@@ -17,4 +26,12 @@ stage() {
     rc=$?
     echo "== $name: rc $rc at $(($(date +%s) - START_S)) s"
     return $rc
+}
+install_wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || return 1
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+        --target /tmp/hexiseq-site . || return 1
+    export PYTHONPATH=/tmp/site:/tmp/hexiseq-site PYTHONUNBUFFERED=1
+    export PATH=/tmp/hexiseq-site/bin:$PATH
 }

@@ -12,17 +12,9 @@
 # 60 s stage of the first recheck did not leave.
 set -u
 REPO=$(pwd)
-OUT=${OUT:-/tmp/device-out}
-mkdir -p "$OUT"
-DEADLINE_S=${DEADLINE_S:-330}
-START_S=$(date +%s)
-exec > >(tee -a "$OUT/recheck.log") 2>&1
 source "$REPO/benchmarks/_device_stages.sh"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-    --target /tmp/hexiseq-site . || exit 1
-export PYTHONPATH=/tmp/site:/tmp/hexiseq-site PYTHONUNBUFFERED=1
+begin recheck.log 330
+install_wheels || exit 1
 cd /tmp || exit 1  # -m modules: the repo's hexiseq/ folder would shadow the installed package
 ROWS=(python3 "$REPO/benchmarks/runtime_gpu.py" --hexiseq-only --planned-only --warmup 1
     --steps 3 --no-write --timeout 100)  # `timeout` runs programs, not shell functions

@@ -21,22 +21,11 @@
 # `hexiseq fit --store sqlite:///<copy of profile.db>`; commit the files under profiles/.
 set -u
 REPO=$(pwd)
-OUT=${OUT:-/tmp/device-out}
-mkdir -p "$OUT"
-DEADLINE_S=${DEADLINE_S:-450}
-START_S=$(date +%s)
-LOG=$OUT/session.log
-exec > >(tee -a "$LOG") 2>&1
-
 source "$REPO/benchmarks/_device_stages.sh"
+begin session.log 450
 
 echo "== setup"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
-    --target /tmp/hexiseq-site . || exit 1
-export PYTHONPATH=/tmp/site:/tmp/hexiseq-site PYTHONUNBUFFERED=1
-export PATH=/tmp/hexiseq-site/bin:$PATH
+install_wheels || exit 1
 nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,clocks.max.sm,power.limit,driver_version \
     --format=csv
 python3 - <<'EOF'
