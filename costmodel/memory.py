@@ -268,27 +268,33 @@ class RankShape:
 
 
 def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
-    """The `RankShape` of every rank under `layout`."""
+    """The `RankShape` of every rank under `layout` (ranks of one shape share one object)."""
+    shapes: dict[tuple, RankShape] = {}
+    return [
+        shapes.setdefault(key, RankShape(*key)) for key in _shape_keys(cluster, layout)
+    ]
+
+
+def _shape_keys(cluster: Cluster, layout: AttentionLayout) -> list[tuple]:
+    """Every rank's `RankShape` fields, in field order, as a tuple: one pass over the groups
+    and the ranks (`layout.group_of(rank)` per rank would be O(N²) on 1024 ranks)."""
     group_count = len(layout.groups)
-    lengths = [layout.segment_length(g) for g in range(group_count)]
+    lengths = layout.segment_lengths
     largest = max(lengths) if group_count > 1 else 0
-    # One pass over the groups: `layout.group_of(rank)` per rank would be O(N²) on 1024 ranks.
-    group_of = {rank: g for g, members in enumerate(layout.groups) for rank in members}
-    shapes = []
-    for rank, device in enumerate(cluster.devices):
-        low, high = layout.kv_head_range(rank)
-        shapes.append(
-            RankShape(
-                tokens=layout.num_tokens(rank),
-                segment=lengths[group_of[rank]],
-                heads=layout.num_heads_of(rank),
-                kv_heads=high - low,
-                largest_block=largest,
-                is_cpu=device.gpu == "cpu",
-                ring_groups=group_count,
-            )
+    segment = [0] * layout.world_size
+    for g, members in enumerate(layout.groups):
+        for rank in members:
+            segment[rank] = lengths[g]
+    ratio = layout.gqa_ratio
+    return [
+        (tokens, length, end - start, -(-end // ratio) - start // ratio, largest, cpu, group_count)
+        for tokens, length, (start, end), cpu in zip(
+            layout.token_counts,
+            segment,
+            layout.head_ranges,
+            [device.gpu == "cpu" for device in cluster.devices],
         )
-    return shapes
+    ]
 
 
 def estimate_memory(
@@ -301,16 +307,21 @@ def estimate_memory(
 ) -> list[MemoryBreakdown]:
     """Peak memory of every rank under `layout`, with model states sharded by `state_fractions`
     (even when None), calibrated per device type where `calibrations` has one. Returns one
-    `MemoryBreakdown` per rank."""
+    `MemoryBreakdown` per rank (ranks of one shape, share and GPU type share one)."""
     fractions = state_fractions or even_state_fractions(layout.world_size)
     calibrations = calibrations or {}
-    found: dict[tuple, MemoryBreakdown] = {}  # ranks of one shape, share and GPU: one model
+    found: dict[tuple, MemoryBreakdown] = {}
     breakdowns = []
-    for shape, fraction, device in zip(rank_shapes(cluster, layout), fractions, cluster.devices):
-        key = (shape, fraction, device.gpu)
-        if key not in found:
-            found[key] = rank_memory(model, train, shape, fraction, calibrations.get(device.gpu))
-        breakdowns.append(found[key])
+    gpus = [device.gpu for device in cluster.devices]
+    for key in zip(_shape_keys(cluster, layout), fractions, gpus):
+        breakdown = found.get(key)
+        if breakdown is None:
+            fields, fraction, gpu = key
+            breakdown = rank_memory(
+                model, train, RankShape(*fields), fraction, calibrations.get(gpu)
+            )
+            found[key] = breakdown
+        breakdowns.append(breakdown)
     return breakdowns
 
 

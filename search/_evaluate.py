@@ -160,11 +160,12 @@ def plan_prediction(prediction: StepPrediction) -> Prediction:
         if id(breakdown) not in memory:
             memory[id(breakdown)] = (breakdown.peak_bytes, breakdown.terms())
     ranks = []
+    times = prediction.seconds_by_part
     for r, breakdown in enumerate(prediction.memory):
         peak, terms = memory[id(breakdown)]
         ranks.append(
             RankPrediction(
-                **prediction.rank_times[r].to_dict(),
+                **{key: seconds[r] for key, seconds in times.items()},
                 memory_bytes=peak,
                 memory_capacity_bytes=prediction.memory_capacity_bytes[r],
                 memory_terms=dict(terms),

@@ -32,6 +32,7 @@ import numpy as np
 from hexiseq.costmodel import memory_limit_bytes
 from hexiseq.costmodel.memory import RankShape, rank_memory
 from hexiseq.layout import AttentionLayout, apportion, build_zigzag_layout
+from hexiseq.plan import RankTime
 from hexiseq.search._evaluate import Problem, simulated
 from hexiseq.search._highs import Program, solve
 from hexiseq.search._relaxation import busy_bound_s as _busy_bound_s
@@ -167,31 +168,26 @@ class GroupRates:
 
 def rates_of(prediction, layout: AttentionLayout) -> list[GroupRates]:
     """Each group's rates in a simulated step of `layout`."""
-    busy = np.array([_busy(part) for part in prediction.rank_times])
-    fixed = (
-        np.array(
-            [
-                part.step_s - part.idle_s - part.ring_exposed_comm_s
-                for part in prediction.rank_times
-            ]
-        )
-        - busy
-    )
+    seconds = {key: np.array(value) for key, value in prediction.seconds_by_part.items()}
+    busy = _busy(seconds)
+    step = sum(seconds[key] for key in RankTime.__dataclass_fields__)  # as `RankTime.step_s`
+    fixed = step - seconds["idle_s"] - seconds["ring_exposed_comm_s"] - busy
     return [
         GroupRates(busy[list(group)] / layout.segment_length(position), fixed[list(group)])
         for position, group in enumerate(layout.groups)
     ]
 
 
-def _busy(part) -> float:
+def _busy(seconds: dict[str, np.ndarray]) -> np.ndarray:
+    """[rank] seconds of the parts that grow with the tokens."""
     return (
-        part.attention_s
-        + part.all_to_all_s
-        + part.linear_s
-        + part.elementwise_s
-        + part.cast_s
-        + part.loss_s
-    )  # fmt: skip  (the parts that grow with the tokens)
+        seconds["attention_s"]
+        + seconds["all_to_all_s"]
+        + seconds["linear_s"]
+        + seconds["elementwise_s"]
+        + seconds["cast_s"]
+        + seconds["loss_s"]
+    )
 
 
 def _class_times(classes: list[_Class], rates: list[GroupRates], quantum: int) -> list:
@@ -404,9 +400,28 @@ class _Model:
     def _rows(self, times) -> _Rows:
         rows = _Rows()
         self._time_rows(rows, times)
-        self._sum_rows(rows)
-        self._memory_rows(rows, slack=None)
+        rows.extend(self._fixed_rows())
         return rows
+
+    def _fixed_rows(self) -> _Block:
+        """The sum and memory rows, which do not depend on the times: built once per groups,
+        heads and quantum in a search (every program of the screen and the local stage for
+        that grouping shares them)."""
+        key = (
+            "fixed rows",
+            self.problem.train,
+            tuple(self.groups),
+            tuple(cls.heads for cls in self.classes),
+            self.quantum,
+        )
+
+        def build() -> _Block:
+            rows = _Rows()
+            self._sum_rows(rows)
+            self._memory_rows(rows, slack=None)
+            return rows.block()
+
+        return self.problem.memo(key, build)
 
     def _relaxed(self, times):
         """The LP relaxation's fastest solution, once per groups, quantum and times in a
@@ -424,10 +439,7 @@ class _Model:
         )
 
     def _branch_and_bound(self, times: list[np.ndarray]):
-        rows = _Rows()
-        self._time_rows(rows, times)
-        self._sum_rows(rows)
-        self._memory_rows(rows, slack=None)
+        rows = self._rows(times)
         fastest = self._run(rows, self.step)
         if fastest is None:
             return None
@@ -718,15 +730,29 @@ class _UnitRanges:
         return low, high
 
 
+@dataclass(frozen=True)
+class _Block:
+    """Rows built once and added to many programs: entries (row, column, value) with rows
+    counted from the block's first, and each row's bounds."""
+
+    rows: np.ndarray
+    columns: np.ndarray
+    values: np.ndarray
+    lower: list[float]
+    upper: list[float]
+
+
 class _Rows:
-    """Sparse constraint rows lower <= A x <= upper, built one at a time."""
+    """Sparse constraint rows lower <= A x <= upper, built one at a time or a block at once;
+    the entries keep the order they were added in."""
 
     def __init__(self) -> None:
-        self.rows: list[int] = []
+        self.rows: list[int] = []  # entries added one at a time since the last block
         self.columns: list[int] = []
         self.values: list[float] = []
         self.lower: list[float] = []
         self.upper: list[float] = []
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     def add(self, coefficients: dict[int, float], lower: float, upper: float) -> None:
         row = len(self.lower)
@@ -737,29 +763,60 @@ class _Rows:
         self.lower.append(lower)
         self.upper.append(upper)
 
+    def extend(self, block: _Block) -> None:
+        """Append `block`'s rows after these."""
+        self._flush()
+        self._chunks.append((block.rows + len(self.lower), block.columns, block.values))
+        self.lower += block.lower
+        self.upper += block.upper
+
+    def block(self) -> _Block:
+        """These rows as a block for `extend`."""
+        rows, columns, values = self._entries()
+        return _Block(rows, columns, values, list(self.lower), list(self.upper))
+
+    def _flush(self) -> None:
+        if self.rows:
+            self._chunks.append(
+                (
+                    np.asarray(self.rows, dtype=np.int32),
+                    np.asarray(self.columns, dtype=np.int32),
+                    np.asarray(self.values, dtype=float),
+                )
+            )
+            self.rows, self.columns, self.values = [], [], []
+
+    def _entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every entry's (row, column, value), in the order added."""
+        self._flush()
+        if not self._chunks:
+            empty = np.zeros(0, dtype=np.int32)
+            return empty, empty, np.zeros(0)
+        if len(self._chunks) > 1:
+            self._chunks = [tuple(np.concatenate(part) for part in zip(*self._chunks))]
+        return self._chunks[0]
+
     @staticmethod
     def without_last(rows: _Rows) -> _Rows:
         """A copy of `rows` without its last row."""
+        entries = rows._entries()
+        keep = entries[0] != len(rows.lower) - 1
         copy = _Rows()
-        last = len(rows.lower) - 1
-        keep = [i for i, row in enumerate(rows.rows) if row != last]
-        copy.rows = [rows.rows[i] for i in keep]
-        copy.columns = [rows.columns[i] for i in keep]
-        copy.values = [rows.values[i] for i in keep]
+        copy._chunks = [tuple(part[keep] for part in entries)]
         copy.lower, copy.upper = rows.lower[:-1], rows.upper[:-1]
         return copy
 
     def program(self, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> Program:
         """These rows, minimizing `cost` within the column bounds `lower`..`upper` (one
         column each); the matrix column-wise, as HiGHS takes it."""
-        columns = np.asarray(self.columns, dtype=np.int32)
+        rows, columns, values = self._entries()
         order = np.argsort(columns, kind="stable")
         starts = np.searchsorted(columns[order], np.arange(len(cost) + 1)).astype(np.int32)
         return Program(
             cost=cost,
             starts=starts,
-            rows=np.asarray(self.rows, dtype=np.int32)[order],
-            values=np.asarray(self.values, dtype=float)[order],
+            rows=rows[order],
+            values=values[order],
             row_lower=np.asarray(self.lower, dtype=float),
             row_upper=np.asarray(self.upper, dtype=float),
             lower=lower,
