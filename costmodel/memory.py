@@ -270,9 +270,7 @@ class RankShape:
 def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
     """The `RankShape` of every rank under `layout` (ranks of one shape share one object)."""
     shapes: dict[tuple, RankShape] = {}
-    return [
-        shapes.setdefault(key, RankShape(*key)) for key in _shape_keys(cluster, layout)
-    ]
+    return [shapes.setdefault(key, RankShape(*key)) for key in _shape_keys(cluster, layout)]
 
 
 def _shape_keys(cluster: Cluster, layout: AttentionLayout) -> list[tuple]:
