@@ -89,7 +89,9 @@ def _shortfall(
     peaks: dict[int, int] = {}  # ranks of one shape share one breakdown
     missing = {}
     for rank, (m, limit) in enumerate(zip(memory, problem.limits())):
-        peak = peaks.setdefault(id(m), m.peak_bytes)
+        peak = peaks.get(id(m))
+        if peak is None:
+            peak = peaks[id(m)] = m.peak_bytes
         if peak > limit:
             missing[rank] = peak - limit
     return missing

@@ -235,18 +235,13 @@ def _ring_rate(
 ) -> np.ndarray:
     """`_ring_rates` of one receiving group's members, fed by a group of `sender_size`."""
     model, train, cluster = problem.model, problem.train, problem.cluster
-    bandwidth = problem.memo("links", lambda: problem.cost.link_parameters(cluster))[0]
-    node_index = problem.memo(
-        "node index", lambda: {node.name: i for i, node in enumerate(cluster.nodes)}
-    )
     kv_passes = 3 if train.activation_checkpointing else 2
     per_head_bytes = 2 * model.head_dim * (kv_passes * train.compute_dtype_bytes + 4)
     repeats = model.layers * train.micro_batches
     ratio = model.heads // model.kv_heads
-    sample_bytes = float(2**30)
-    link = (node_index[sender_node], node_index[receiver_node])
-    seconds_per_byte = (
-        problem.cost.transfer_time_s(sample_bytes, bandwidth[link], 0.0) / sample_bytes
+    seconds_per_byte = problem.memo(
+        ("ring link s/B", sender_node, receiver_node),
+        lambda: _seconds_per_byte(problem, sender_node, receiver_node),
     )
     starts = np.concatenate([[0], np.cumsum(heads)[:-1]])
     per_member = np.zeros(len(heads))
@@ -255,6 +250,18 @@ def _ring_rate(
         kv_out = -(-model.kv_heads // sender_size)
         per_member[m] = max(kv_in, kv_out) * per_head_bytes * repeats * seconds_per_byte
     return per_member
+
+
+def _seconds_per_byte(problem: Problem, sender_node: str, receiver_node: str) -> float:
+    """Seconds a byte of a large message takes from `sender_node` to `receiver_node`."""
+    cluster = problem.cluster
+    bandwidth = problem.memo("links", lambda: problem.cost.link_parameters(cluster))[0]
+    node_index = problem.memo(
+        "node index", lambda: {node.name: i for i, node in enumerate(cluster.nodes)}
+    )
+    sample_bytes = float(2**30)
+    link = (node_index[sender_node], node_index[receiver_node])
+    return problem.cost.transfer_time_s(sample_bytes, bandwidth[link], 0.0) / sample_bytes
 
 
 def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
@@ -501,9 +508,11 @@ class _Model:
             low_s = points[first - 1] if first else low_s
             high_s = points[first] if first < len(points) else high_s
         low, units = (row[0] for row in ranges.at(np.array([high_s])))
+        finish = np.array([ranges.finish_s(c, u) for c, u in enumerate(units)])
         while units @ counts > self.total_units:
-            finish = np.where(units - 1 >= low, self._finish_s(times, units), -np.inf)
-            units[int(np.argmax(finish))] -= 1
+            slowest = int(np.argmax(np.where(units - 1 >= low, finish, -np.inf)))
+            units[slowest] -= 1
+            finish[slowest] = ranges.finish_s(slowest, units[slowest])
         return units
 
     def missing_bytes(self) -> dict[int, int]:
@@ -711,6 +720,14 @@ class _UnitRanges:
         self.smallest = np.array([float(cls.size) for cls in model.classes])
         self.total_tokens = float(model.problem.train.seq_len)
         self.block = 2.0 * model.quantum
+
+    def finish_s(self, c: int, units: float) -> float:
+        """Class `c`'s slowest member's seconds at `units` (`_Model._finish_s` of one class)."""
+        end = self.starts[c + 1] if c + 1 < len(self.starts) else len(self.per_unit)
+        members = slice(self.starts[c], end)
+        busy = self.per_unit[members] * units + self.fixed[members]
+        traffic = self.ring[members] * (self.total_tokens - self.block * units)
+        return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
 
     def at(self, step_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(lowest, highest) units per class at each step time: two [times, classes]."""
