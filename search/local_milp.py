@@ -234,7 +234,7 @@ def _ring_rate(
     problem: Problem, sender_node: str, receiver_node: str, sender_size: int, heads
 ) -> np.ndarray:
     """`_ring_rates` of one receiving group's members, fed by a group of `sender_size`."""
-    model, train, cluster = problem.model, problem.train, problem.cluster
+    model, train = problem.model, problem.train
     kv_passes = 3 if train.activation_checkpointing else 2
     per_head_bytes = 2 * model.head_dim * (kv_passes * train.compute_dtype_bytes + 4)
     repeats = model.layers * train.micro_batches
