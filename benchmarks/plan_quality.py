@@ -36,6 +36,7 @@ from hexiseq.search._evaluate import Problem, evaluate
 from hexiseq.search.greedy import (
     RING_ORDERS,
     attention_speeds,
+    candidate_hp_degrees,
     form_groups,
     greedy_candidates,
     nodes_by_name,
@@ -251,7 +252,10 @@ def in_hierarchy_space(problem: Problem, winner: Candidate) -> str:
     degrees = {}
     for node in cluster.nodes:
         sizes = winner.sizes[node.name]
-        fitting = {d for d in range(1, node.count + 1) if _cut(node.count, d) == sizes}
+        # a type's degree may exceed a node of it (its largest node sets the range): every
+        # degree from the node's size up leaves that node one group
+        allowed = candidate_hp_degrees(cluster, problem.model, node.gpu)
+        fitting = {d for d in allowed if _cut(node.count, d) == sizes}
         degrees[node.gpu] = degrees.get(node.gpu, fitting) & fitting
     if not all(degrees.values()):
         return "groups: no (needs per-node cuts)"
