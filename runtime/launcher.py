@@ -16,28 +16,51 @@ LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @dataclass(frozen=True)
+class NodeLaunch:
+    """This machine's part of a launch over several nodes: node `node_rank` of `nodes`,
+    meeting the others at `master` (ADDR:PORT, node 0's) by torchrun's static rendezvous."""
+
+    node_rank: int
+    nodes: int
+    master: str
+
+
+@dataclass(frozen=True)
 class LaunchOutcome:
     code: int
     lost: tuple[int, ...] = ()
     """Ranks killed by a signal not the launcher's (lost devices)."""
 
 
-def launch(arguments: list[str], world: int, launch_id: str) -> LaunchOutcome:
+def launch(
+    arguments: list[str], world: int, launch_id: str, node: NodeLaunch | None = None
+) -> LaunchOutcome:
     """Run `world` ranks of `python -m hexiseq.runtime.train arguments` on this machine until
-    they end (they see this process's environment), and say how: 0, lost ranks, or another
-    exit code."""
+    they end (they see this process's environment), and say how: 0, lost ranks (global
+    ranks), or another exit code. With `node`, they are this node's ranks of a launch over
+    several nodes, ranked after the nodes before it (as torchrun --node-rank does)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if node is None:
+        rendezvous = {"rdzv_backend": "c10d", "rdzv_endpoint": "127.0.0.1:0"}
+        run_id = f"hexiseq-{launch_id[:8]}-{uuid.uuid4().hex[:8]}"
+    else:
+        rendezvous = {
+            "rdzv_backend": "static",
+            "rdzv_endpoint": node.master,
+            "rdzv_configs": {"rank": node.node_rank, "timeout": 900},
+        }
+        run_id = f"hexiseq-{launch_id[:8]}"  # the same on every node
+    nodes = 1 if node is None else node.nodes
     config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes,
+        max_nodes=nodes,
         nproc_per_node=world,
-        rdzv_backend="c10d",
-        rdzv_endpoint="127.0.0.1:0",
-        run_id=f"hexiseq-{launch_id[:8]}-{uuid.uuid4().hex[:8]}",
+        run_id=run_id,
         max_restarts=0,
         monitor_interval=0.1,
+        **rendezvous,
     )
     try:
         elastic_launch(config, sys.executable)("-m", "hexiseq.runtime.train", *arguments)

@@ -84,7 +84,9 @@ def add_run_parser(commands) -> None:
 
 def _add_replan_flags(run) -> None:
     """Supervised runs that re-plan on drift or a lost device, and the faults to test them."""
-    replan = run.add_argument_group("re-planning (one machine)")
+    replan = run.add_argument_group(
+        "re-planning (one machine, or every node with --node-rank and a shared --run-dir)"
+    )
     replan.add_argument(
         "--replan",
         action="store_true",
@@ -96,7 +98,8 @@ def _add_replan_flags(run) -> None:
         "--run-dir",
         metavar="DIR",
         help="folder for the plans, checkpoints and step log of a --replan run "
-        "(default ./hexiseq-run-<launch id>)",
+        "(default ./hexiseq-run-<launch id>); with --node-rank, one folder every node "
+        "shares (a network file system), given to every node",
     )
     replan.add_argument(
         "--checkpoint-every",
@@ -292,6 +295,12 @@ def launch_text(args: argparse.Namespace, plan) -> str:
         f"# every node needs the same plan file at {args.plan}"
         + ("" if args.no_store else f" and the store URL in ${STORE_URL_ENV}"),
     ]
+    if args.replan:
+        lines.append(
+            f"# --replan: {args.run_dir} must be one folder every node shares; node 0 "
+            "supervises (it answers drift and re-plans in place for every node), a lost "
+            "device stops the run on every node"
+        )
     if args.master is None:
         lines.append(
             f"# {DEFAULT_MASTER} is the default: for nodes on other machines give --master "
@@ -308,14 +317,26 @@ def launch_text(args: argparse.Namespace, plan) -> str:
             f"# node {share.index} ({share.name}): {share.count} x {share.gpu}, ranks "
             f"{share.first_rank}..{share.last_rank}",
             f"{LAUNCH_ID_ENV}={launch_id} {shlex.join(hexiseq)}",
-            f"#   or, by hand: {LAUNCH_ID_ENV}={launch_id} {shlex.join(torchrun)}",
         ]
+        if not args.replan:  # a supervised node needs its supervisor: no bare torchrun
+            lines.append(f"#   or, by hand: {LAUNCH_ID_ENV}={launch_id} {shlex.join(torchrun)}")
     return "\n".join(lines)
 
 
 def _hexiseq_flags(args: argparse.Namespace) -> list[str]:
     plan, *rest = _train_flags(args)
-    return [plan, f"--node-rank={args.node_rank}", f"--master={args.master}", *rest]
+    node = [plan, f"--node-rank={args.node_rank}", f"--master={args.master}", *rest]
+    if not args.replan:
+        return node
+    return [
+        *node,
+        "--replan",
+        f"--run-dir={args.run_dir}",
+        f"--checkpoint-every={args.checkpoint_every}",
+        f"--drift-threshold={args.drift_threshold!r}",
+        f"--min-gain={args.min_gain!r}",
+        f"--cost-model={args.cost_model}",
+    ]
 
 
 def run_run(args: argparse.Namespace) -> int:
@@ -329,10 +350,10 @@ def run_run(args: argparse.Namespace) -> int:
     plan = Plan.from_json(args.plan)
     if args.node_rank is not None:
         node_share(plan, args.node_rank)  # a node the plan has
-    if args.replan and (args.print_launch or args.node_rank is not None):
+    if args.replan and (args.print_launch or args.node_rank is not None) and not args.run_dir:
         raise InputError(
-            "--replan supervises a run on this machine: it cannot go with --print-launch or "
-            "--node-rank (a multi-node plan re-plans by hand: `hexiseq plan` again)"
+            "--replan over several nodes needs --run-dir: one folder every node shares (a "
+            "network file system), for the plans, checkpoints and drift reports"
         )
     if args.print_launch:
         print(launch_text(args, plan))

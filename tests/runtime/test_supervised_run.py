@@ -143,7 +143,7 @@ def test_a_drift_then_a_loss_in_one_run(plan_path, reference, tmp_path):
         (["--inject-slowdown=9:2@1"], "the plan has ranks 0..3 (got rank 9)"),
         (["--inject-slowdown=1:0.5@1"], "FACTOR must be a number in 1..100"),
         (["--inject-failure=x@1"], "RANK must be a whole number"),
-        (["--node-rank=0"], "--replan supervises a run on this machine"),
+        (["--node-rank=0", "--run-dir="], "--replan over several nodes needs --run-dir"),
         (["--min-gain=1"], "must be a number > 1"),
         (["--state-sharding=replicated"], "cannot go with --state-sharding replicated"),
         (
