@@ -297,9 +297,9 @@ def launch_text(args: argparse.Namespace, plan) -> str:
     ]
     if args.replan:
         lines.append(
-            f"# --replan: {args.run_dir} must be one folder every node shares; node 0 "
-            "supervises (it answers drift and re-plans in place for every node), a lost "
-            "device stops the run on every node"
+            f"# --replan: {args.run_dir} must be one folder every node shares, at that path; "
+            "node 0 supervises: it answers drift (every node takes the new plan over in "
+            "place) and re-plans after a lost device (every node relaunches its part)"
         )
     if args.master is None:
         lines.append(

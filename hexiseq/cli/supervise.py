@@ -24,13 +24,7 @@ the predicted gain, and the measured one once the new plan has run. Injected fau
 (`--inject-slowdown`, `--inject-failure`) follow their device across re-plans, whatever rank it
 gets.
 
-Over several nodes (`--node-rank K --master ADDR:PORT` on each, one `--run-dir` they all share
-at the same path): every node's supervisor starts its own ranks (torchrun's static rendezvous,
-ranked in node order); node 0's makes the run folder and supervises. Rank 0 reports drift
-there, node 0 answers, and every rank reads the new plan and the checkpoint from the shared
-folder, so a drift anywhere is re-planned in place for all nodes. A lost device stops the run
-on every node: the supervisors do not yet relaunch together; the one that lost it says where the
-newest checkpoint is.
+Over several nodes (`--node-rank K`): `hexiseq.cli.supervise_nodes`.
 """
 
 from __future__ import annotations
@@ -57,7 +51,6 @@ from hexiseq.plan import Plan
 
 if TYPE_CHECKING:
     from hexiseq.costmodel.base import CostModel
-    from hexiseq.runtime.launcher import LaunchOutcome, NodeLaunch
     from hexiseq.search.replan import Replanned
 
 MAX_LAUNCHES = 9
@@ -250,10 +243,11 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
     from hexiseq.runtime.launcher import launch  # torch: the ranks need it anyway
     from hexiseq.store import LAUNCH_ID_ENV
 
+    if args.node_rank is not None:
+        from hexiseq.cli.supervise_nodes import supervise_nodes
+
+        return supervise_nodes(args, plan, environment)
     launch_id = environment[LAUNCH_ID_ENV]
-    node = node_launch(args, plan)
-    if node is not None and node.node_rank > 0:
-        return _supervise_node(args, plan, environment, node)
     folder = run_folder(args, plan, launch_id)
     cost = replan_cost_model(args, plan)
     fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
@@ -272,8 +266,8 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
         thread = watcher.start()
         arguments = launch_arguments(args, plan_path, folder, exchange, fleet, launch_index > 0)
         try:
-            with ranks_environment(environment, fleet):
-                outcome = launch(arguments, local_ranks(plan, node), launch_id, node)
+            with ranks_environment(environment, fleet.visible_devices(environment)):
+                outcome = launch(arguments, plan.cluster.world_size, launch_id)
         finally:
             watcher.stop(thread)
         for taken in watcher.taken:  # drift re-plans the ranks took over in place
@@ -284,17 +278,15 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
         plan = watcher.plan  # as measured, with what it took over
         record_measured_after(args, recorded, folder)
         if not outcome.lost:
-            return _ended(outcome.code, node)
+            return outcome.code
         step = resume_step(folder)
-        if node is not None:
-            return stopped_by_loss(args, launch_id, plan, outcome, folder, step)
         if step == last_loss_step:
             print(f"hexiseq run: ranks lost again before step {step} ran: stopping "
                   "(a fault of the software, not of a device?)", file=sys.stderr)  # fmt: skip
             return outcome.code
         last_loss_step = step
         fail_unended_runs(args, launch_id, f"rank(s) {_ranks(outcome.lost)} lost (killed)")
-        detail = ", ".join(_device(plan, r) for r in outcome.lost) + " lost"
+        detail = ", ".join(device_label(plan, r) for r in outcome.lost) + " lost"
         replanned = replan_lost(plan, cost, outcome.lost, next(names))
         print(
             f"hexiseq run: re-planned ({detail}) -> '{replanned.plan.name}' on "
@@ -314,118 +306,15 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
     return 1
 
 
-SHARED_FOLDER_TIMEOUT_S = 120.0
-"""How long a node other than node 0 waits for node 0's first plan in the shared run folder."""
-
-
-def node_launch(args: argparse.Namespace, plan: Plan) -> NodeLaunch | None:
-    """This machine's node of a run over several nodes (`--node-rank`), or None: the whole
-    plan on this machine."""
-    if args.node_rank is None:
-        return None
-    from hexiseq.cli.run import DEFAULT_MASTER, node_share
-    from hexiseq.runtime.launcher import NodeLaunch
-
-    share = node_share(plan, args.node_rank)
-    return NodeLaunch(share.index, len(plan.cluster.nodes), str(args.master or DEFAULT_MASTER))
-
-
-def local_ranks(plan: Plan, node: NodeLaunch | None) -> int:
-    """How many of the plan's ranks this machine starts."""
-    if node is None:
-        return plan.cluster.world_size
-    return plan.cluster.nodes[node.node_rank].count
-
-
-def _supervise_node(
-    args: argparse.Namespace, plan: Plan, environment: dict[str, str], node: NodeLaunch
-) -> int:
-    """Node K > 0 of a supervised run over several nodes: its ranks, started once node 0's
-    supervisor has made the shared run folder. Node 0 supervises every node: rank 0 reports
-    drift there and the new plan reaches every rank through the shared folder, so this node
-    only launches and waits. A lost device stops the run on every node."""
-    from hexiseq.runtime.launcher import launch
-    from hexiseq.store import LAUNCH_ID_ENV
-
-    launch_id = environment[LAUNCH_ID_ENV]
-    folder = shared_run_folder(args, plan)
-    fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
-    exchange = supervision.launch_folder(folder, 0)
-    arguments = launch_arguments(args, folder / "plan-0.json", folder, exchange, fleet, False)
-    print(f"hexiseq run: node {node.node_rank} of '{plan.name}', supervised by node 0; run "
-          f"folder {folder}", flush=True)  # fmt: skip
-    with ranks_environment(environment, fleet):
-        outcome = launch(arguments, local_ranks(plan, node), launch_id, node)
-    if outcome.lost:
-        return stopped_by_loss(args, launch_id, plan, outcome, folder, resume_step(folder))
-    return _ended(outcome.code, node)
-
-
-def _ended(code: int, node: NodeLaunch | None) -> int:
-    """`code`, said where one node of several failed (a peer's loss shows here as an error)."""
-    if code != 0 and node is not None:
-        print(f"hexiseq run: node {node.node_rank}'s ranks exited with code {code}; where "
-              "another node lost a device, its supervisor says so and where the newest "
-              "checkpoint is", file=sys.stderr)  # fmt: skip
-    return code
-
-
-def shared_run_folder(args: argparse.Namespace, plan: Plan) -> Path:
-    """The run folder node 0 made (its first plan in it, the same plan as this node's), after
-    this node's own checks; InputError when it does not appear in SHARED_FOLDER_TIMEOUT_S
-    (not a folder the nodes share?) or holds another plan."""
-    check_supervised(args, plan)
-    folder = Path(args.run_dir)
-    first = folder / "plan-0.json"
-    deadline = time.monotonic() + SHARED_FOLDER_TIMEOUT_S
-    while not first.exists():
-        if time.monotonic() > deadline:
-            raise InputError(
-                f"--run-dir {folder}: node 0's first plan (plan-0.json) did not appear in "
-                f"{SHARED_FOLDER_TIMEOUT_S:.0f} s; give every node the same folder on a file "
-                "system they share, and start node 0 too"
-            )
-        time.sleep(POLL_S * 5)
-    if Plan.from_json(first).to_json_text() != plan.to_json_text():
-        raise InputError(
-            f"--run-dir {folder}: node 0 runs another plan ({first}); give every node the same "
-            "plan file and a run folder of its own run"
-        )
-    return folder
-
-
-def stopped_by_loss(
-    args: argparse.Namespace,
-    launch_id: str,
-    plan: Plan,
-    outcome: LaunchOutcome,
-    folder: Path,
-    step: int,
-) -> int:
-    """A device lost in a run over several nodes: the run stops on every node (their
-    supervisors do not relaunch together), saying where its newest checkpoint is."""
-    from hexiseq.cli.run import fail_unended_runs
-
-    lost = ", ".join(_device(plan, r) for r in outcome.lost)
-    print(
-        f"hexiseq run: {lost} lost: a run over several nodes stops on a lost device (its "
-        f"nodes' supervisors do not relaunch together); its newest checkpoint, step {step}, is "
-        f"in {folder / 'checkpoints'}: plan again without the device (`hexiseq plan`)",
-        file=sys.stderr,
-    )
-    fail_unended_runs(args, launch_id, f"{lost} lost (killed)")
-    return outcome.code
-
-
 @contextmanager
-def ranks_environment(environment: dict[str, str], fleet: Fleet) -> Iterator[None]:
+def ranks_environment(environment: dict[str, str], visible: str | None) -> Iterator[None]:
     """This process's environment set to what the ranks must see while a launch runs (the
     launcher passes its own to them): `environment`, one intra-op thread per rank unless told
     otherwise (as torchrun does: ranks sharing a machine's cores would oversubscribe them),
-    and the GPUs still present when some were lost (their CUDA indices). Restored after."""
+    and `visible`, the GPUs still present when some were lost (their CUDA indices; None:
+    all). Restored after."""
     before = dict(os.environ)
     wanted = {"OMP_NUM_THREADS": "1", **environment}
-    visible = fleet.visible_devices(environment)
     if visible is not None:
         wanted["CUDA_VISIBLE_DEVICES"] = visible
     os.environ.update(wanted)
@@ -477,7 +366,7 @@ def _ranks(ranks: tuple[int, ...]) -> str:
     return ", ".join(str(r) for r in ranks)
 
 
-def _device(plan: Plan, rank: int) -> str:
+def device_label(plan: Plan, rank: int) -> str:
     device = plan.cluster.devices[rank]
     return f"rank {rank} ({device.node} #{device.local_rank}, {device.gpu})"
 
