@@ -9,7 +9,10 @@ two of them emulated 2x slower), STEPS steps, in four runs with the same seed:
   does);
 - slowdown, re-planned: the same fault, the supervisor free to re-plan;
 - lost device: rank 1 killed (SIGKILL) when step FAIL_AT begins; the supervisor plans again
-  on the three ranks left and resumes from the last checkpoint.
+  on the three ranks left and resumes from the last checkpoint;
+- then the last three again as a run over two nodes: one supervisor per node of the preset
+  ("fast", ranks 0-1; "slow", ranks 2-3), both on this machine, meeting on loopback around one
+  shared run folder (`--node-rank K --master`, `hexiseq.cli.supervise_nodes`).
 
 Throughput after the fault: tokens of the steps from the fault on over the wall time from the
 end of the step before it to the end of the last step (so the checkpoint, the hand-over to
@@ -23,7 +26,7 @@ each preset, re-planned after one device is measured 2x slower and after one dev
 the median of REPEATS warm calls of `search.replan`, and the gain it predicts.
 
 Run: `.venv/bin/python benchmarks/replanning.py [--no-write]` (prints the table and updates
-the "Re-planning while training" section of benchmarks/RESULTS.md). About 6 minutes on 2 cores.
+the "Re-planning while training" section of benchmarks/RESULTS.md). About 10 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import json
 import os
 import platform
 import re
+import socket
 import subprocess
 import sys
 import tempfile
@@ -73,6 +77,48 @@ def supervised(plan: Path, folder: Path, *flags: str) -> tuple[list[dict], str, 
     return read_steps(folder), done.stdout, wall
 
 
+def two_nodes(plan: Path, folder: Path, *flags: str) -> tuple[list[dict], str, float]:
+    """`supervised` as two nodes: node 0's output; the wall seconds until both are done."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))  # a port free right now
+        master = f"127.0.0.1:{probe.getsockname()[1]}"
+    environment = {**os.environ, "PYTHONWARNINGS": "ignore", "HEXISEQ_LAUNCH_ID": folder.name}
+    began = time.perf_counter()
+    nodes = [
+        subprocess.Popen(
+            [
+                *HEXISEQ,
+                "run",
+                "--plan",
+                str(plan),
+                "--steps",
+                str(STEPS),
+                "--device",
+                "cpu",
+                "--no-store",
+                "--replan",
+                "--run-dir",
+                str(folder),
+                "--node-rank",
+                str(node),
+                "--master",
+                master,
+                *flags,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=environment,
+        )  # fmt: skip
+        for node in (1, 0)
+    ]
+    outputs = [node.communicate() for node in nodes]
+    wall = time.perf_counter() - began
+    if any(node.returncode != 0 for node in nodes):
+        raise SystemExit(f"two nodes {' '.join(flags)} failed:\n{outputs}")
+    return read_steps(folder), outputs[1][0], wall
+
+
 def last_entries(steps: list[dict]) -> dict[int, dict]:
     """Each step's entry as last run (a step run again after a lost device counts once)."""
     return {entry["step"]: entry for entry in steps}
@@ -105,11 +151,17 @@ def measure() -> list[dict]:
             "2x slowdown, re-planned": (f"--inject-slowdown=0:2@{SLOW_AT}",),
             "device lost, re-planned": (f"--inject-failure=1@{FAIL_AT}",),
         }
+        runs.update(
+            {
+                f"2 nodes: {name}": flags
+                for name, flags in runs.items()
+                if name != "reference (no fault)"
+            }
+        )
         results, reference = [], None
         for name, flags in runs.items():
-            steps, output, wall = supervised(
-                plan, folder / name.split()[0] / str(len(results)), *flags
-            )
+            run = two_nodes if name.startswith("2 nodes") else supervised
+            steps, output, wall = run(plan, folder / f"run-{len(results)}", *flags)
             reference = reference or steps
             first = FAIL_AT if "lost" in name else SLOW_AT
             entries = last_entries(steps)
@@ -147,7 +199,16 @@ def format_row(row: dict, kept: float | None = None) -> str:
 
 
 def report(results: list[dict]) -> str:
-    kept = next(r["tokens/s after"] for r in results if "kept" in r["run"])
+    def kept(row: dict) -> float | None:
+        """The throughput of the same machines' kept plan, for a slowdown row."""
+        if "slowdown" not in row["run"]:
+            return None
+        nodes = row["run"].startswith("2 nodes")
+        same = [
+            r for r in results if "kept" in r["run"] and r["run"].startswith("2 nodes") == nodes
+        ]
+        return same[0]["tokens/s after"]
+
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "## Re-planning while training",
@@ -156,11 +217,13 @@ def report(results: list[dict]) -> str:
         f"`{MODEL}`, {SEQ_LEN} tokens, {STEPS} steps, checkpoint every step; slowdown: rank 0 "
         f"2x slower from step {SLOW_AT}; lost device: rank 1 killed when step {FAIL_AT} "
         f"begins. Throughput from the fault on counts the checkpoint, the hand-over (in place "
-        f"after a drift, a relaunch after a loss) and the new plan's first step "
+        f'after a drift, a relaunch after a loss) and the new plan\'s first step. "2 nodes": '
+        f"the same runs with one supervisor per node of the preset (fast: ranks 0-1, slow: "
+        f"2-3), both on this machine, on loopback, sharing the run folder "
         f"({platform.machine()}, 2 cores, Python {platform.python_version()}; {when}).",
         "",
         HEADER,
-        *(format_row(row, kept if "slowdown" in row["run"] else None) for row in results),
+        *(format_row(row, kept(row)) for row in results),
     ]
     return "\n".join(lines)
 

@@ -414,13 +414,7 @@ class _Model:
         """The sum and memory rows, which do not depend on the times: built once per groups,
         heads and quantum in a search (every program of the screen and the local stage for
         that grouping shares them)."""
-        key = (
-            "fixed rows",
-            self.problem.train,
-            tuple(self.groups),
-            tuple(cls.heads for cls in self.classes),
-            self.quantum,
-        )
+        key = self._key("fixed rows")
 
         def build() -> _Block:
             rows = _Rows()
@@ -430,17 +424,16 @@ class _Model:
 
         return self.problem.memo(key, build)
 
+    def _key(self, what: str) -> tuple:
+        """A memo key of `what` for this grouping, head split and quantum in a search."""
+        heads = tuple(cls.heads for cls in self.classes)
+        return what, self.problem.train, tuple(self.groups), heads, self.quantum
+
     def _relaxed(self, times):
         """The LP relaxation's fastest solution, once per groups, quantum and times in a
         search (the screen and the full evaluation ask for the same one)."""
-        key = (
-            "relaxed",
-            self.problem.train,
-            tuple(self.groups),
-            tuple(cls.heads for cls in self.classes),
-            self.quantum,
-            tuple((unit.tobytes(), fixed.tobytes()) for unit, fixed in times),
-        )
+        times_key = tuple((unit.tobytes(), fixed.tobytes()) for unit, fixed in times)
+        key = (*self._key("relaxed"), times_key)
         return self.problem.memo(
             key, lambda: self._run(self._rows(times), self.step, relaxed=True)
         )

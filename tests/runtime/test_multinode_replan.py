@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from cli_runner import run_main
 from distributed import free_port
+from supervised_cases import LOSS_RTOL, STEPS, THRESHOLD, write_plan
 
 from hexiseq import Plan, plan_search, supervision
 from hexiseq.cli import supervise_nodes
@@ -23,17 +24,10 @@ from hexiseq.errors import InputError
 from hexiseq.store import Store
 from hexiseq.supervision import read_steps
 
-STEPS = 8
-THRESHOLD = 2.0  # the injected slowdown is 3x: noise on 2 shared cores stays below
-LOSS_RTOL = 1e-5  # fp32: the new layout and shares sum in another order
-
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory) -> Path:
-    """Nodes "fast" (ranks 0-1) and "slow" (ranks 2-3, emulated 2x slower), 2K tokens."""
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    plan_search("cpu-emulated-2type", "tiny", 2048).best.to_json(path)
-    return path
+    return write_plan(tmp_path_factory.mktemp("plan"))
 
 
 def _node_command(plan: Path, folder: Path, node: int, master: str, *flags: str) -> list[str]:

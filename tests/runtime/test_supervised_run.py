@@ -12,24 +12,18 @@ from pathlib import Path
 
 import pytest
 from cli_runner import run_main
+from supervised_cases import LOSS_RTOL, STEPS, THRESHOLD, write_plan
 
-from hexiseq import Plan, plan_search
+from hexiseq import Plan
 from hexiseq.store import Store
 from hexiseq.supervision import read_steps
 
 pytestmark = pytest.mark.multiproc
 
-STEPS = 8
-THRESHOLD = 2.0  # the injected slowdowns are 3x: noise on 2 shared cores stays below
-LOSS_RTOL = 1e-5  # fp32: the new layout and shares sum in another order
-
 
 @pytest.fixture(scope="module")
 def plan_path(tmp_path_factory) -> Path:
-    """Four CPU ranks, two emulated 2x slower; 2K tokens, so emulated compute dominates."""
-    path = tmp_path_factory.mktemp("plan") / "plan.json"
-    plan_search("cpu-emulated-2type", "tiny", 2048).best.to_json(path)
-    return path
+    return write_plan(tmp_path_factory.mktemp("plan"))
 
 
 def supervised(plan: Path, folder: Path, *flags: str) -> subprocess.CompletedProcess:
