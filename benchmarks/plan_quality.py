@@ -499,7 +499,10 @@ def reading(results: list[CaseResult], large: LargeResult) -> str:
         )
 
     other_quantum = sum(not r.winner_at_middle_quantum for r in results)
-    per_node = sum("per-node" in r.winner_in_hierarchy_space for r in results)
+    per_node = [r for r in results if "per-node" in r.winner_in_hierarchy_space]
+    per_node_gaps = ", ".join(
+        f"#{r.case.index} {100 * r.gap(r.greedy_tokens_per_s):.2f} %" for r in per_node
+    )
     forced_on_loss = 1 - large.forced_on_tokens_per_s / large.default_tokens_per_s
     return (
         "Default search (the greedy short list, its two best groupings again without "
@@ -511,8 +514,10 @@ def reading(results: list[CaseResult], large: LargeResult) -> str:
         f"polish: {within('knob_sweep_tokens_per_s')}; {other_quantum}/{len(results)} "
         "exhaustive winners use a quantum other than the middle one, and many mix HP degrees "
         "or use another ring order, which the polish reaches. "
-        f"{per_node} winner(s) need different HP cuts on nodes of the same GPU type, which "
-        "the hierarchy's one-degree-per-type space cannot express. At 128 GPUs (the polish "
+        f"{len(per_node)} winner(s) need different HP cuts on nodes of the same GPU type, "
+        "which the hierarchy's one-degree-per-type space cannot express; the default search's "
+        f"gap to them: {per_node_gaps or 'none'} (negative: it found a plan outside the "
+        "exhaustive space that beats them). At 128 GPUs (the polish "
         "capped at 3 full evaluations, 384 / devices), "
         f"{large.trials} trials improve on the default by {100 * large.improvement:.2f} % "
         f"(goal < 1 %: {'met' if large.improvement < LARGE_GOAL else 'NOT met'}); with "
