@@ -185,7 +185,7 @@ def _coordinate(node: NodeRun) -> int:
         _report(exchange, node.index, outcome)
         lost = _lost_ranks(node.plan, exchange)
         step = resume_step(node.folder)
-        decision = _decide(node, cost, lost, step, last_loss_step, names, exchange)
+        decision = _decide(node, cost, lost, step, last_loss_step, names)
         if decision["action"] == "stop":
             supervision.claim_json(supervision.end_path(exchange), decision)
             return _stopped(node, decision, outcome.code)
@@ -194,7 +194,7 @@ def _coordinate(node: NodeRun) -> int:
         new = Plan.from_json(decision["plan"])
         remember(new)
         change = Change("lost", decision["detail"], {}, tuple(lost), None)
-        replanned = _replanned_record(node.plan, new, decision)
+        replanned = _replanned_record(new, decision)
         recorded.append((record_replan(args, node.launch_id, node.plan, replanned, change, step),
                          new.name))  # fmt: skip
         supervision.launch_folder(node.folder, index + 1).mkdir()
@@ -262,7 +262,6 @@ def _decide(
     step: int,
     last_loss_step: int | None,
     names,
-    exchange: Path,
 ) -> dict:
     """Node 0's answer to a launch that ended in error: relaunch on the devices left, or
     stop (no device lost: a failure, not a loss; node 0's own node lost; lost again before a
@@ -294,7 +293,7 @@ def _decide(
     }
 
 
-def _replanned_record(old: Plan, new: Plan, decision: dict):
+def _replanned_record(new: Plan, decision: dict):
     """The `Replanned` of a decision, for the store's record."""
     from hexiseq.search.replan import Replanned
 

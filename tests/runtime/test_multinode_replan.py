@@ -166,12 +166,12 @@ def test_node_0_counts_a_silent_node_as_lost_and_stops_when_it_loses_its_own(
     node = _node_run(plan, tmp_path)
     names = iter(["next"])
     cost = DatasheetCostModel()
-    stop = supervise_nodes._decide(node, cost, [0, 1], 2, None, names, exchange)
+    stop = supervise_nodes._decide(node, cost, [0, 1], 2, None, names)
     assert stop["action"] == "stop" and "node 0 (fast) holds the rendezvous" in stop["why"]
-    assert supervise_nodes._decide(node, cost, [], 2, None, names, exchange)["action"] == "stop"
-    again = supervise_nodes._decide(node, cost, [3], 2, 2, names, exchange)
+    assert supervise_nodes._decide(node, cost, [], 2, None, names)["action"] == "stop"
+    again = supervise_nodes._decide(node, cost, [3], 2, 2, names)
     assert again["action"] == "stop" and "again before step 2 ran" in again["why"]
-    go = supervise_nodes._decide(node, cost, [3], 2, None, names, exchange)
+    go = supervise_nodes._decide(node, cost, [3], 2, None, names)
     assert go["action"] == "relaunch" and go["rank_map"] == {"0": 0, "1": 1, "2": 2}
     assert Plan.from_json(go["plan"]).cluster.world_size == 3
 
