@@ -267,12 +267,6 @@ class RankShape:
     ring_groups: int = 3  # groups in the ring; 2 holds fewer blocks in flight (ring buffers)
 
 
-def rank_shapes(cluster: Cluster, layout: AttentionLayout) -> list[RankShape]:
-    """The `RankShape` of every rank under `layout` (ranks of one shape share one object)."""
-    shapes: dict[tuple, RankShape] = {}
-    return [shapes.setdefault(key, RankShape(*key)) for key in _shape_keys(cluster, layout)]
-
-
 def _shape_keys(cluster: Cluster, layout: AttentionLayout) -> list[tuple]:
     """Every rank's `RankShape` fields, in field order, as a tuple: one pass over the groups
     and the ranks (`layout.group_of(rank)` per rank would be O(N²) on 1024 ranks)."""
@@ -291,6 +285,7 @@ def _shape_keys(cluster: Cluster, layout: AttentionLayout) -> list[tuple]:
             segment,
             layout.head_ranges,
             [device.gpu == "cpu" for device in cluster.devices],
+            strict=True,
         )
     ]
 

@@ -11,6 +11,8 @@ import sys
 import uuid
 from dataclasses import dataclass
 
+from hexiseq.errors import HexiseqError
+
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """How the launcher stops the ranks it gives up on: not a lost device."""
 
@@ -23,6 +25,8 @@ class NodeLaunch:
     node_rank: int
     nodes: int
     master: str
+    launch: int = 0
+    """Which launch of the run (a relaunch after a lost device meets under a new name)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +55,7 @@ def launch(
             "rdzv_endpoint": node.master,
             "rdzv_configs": {"rank": node.node_rank, "timeout": 900},
         }
-        run_id = f"hexiseq-{launch_id[:8]}"  # the same on every node
+        run_id = f"hexiseq-{launch_id[:8]}-{node.launch}"  # the same on every node
     nodes = 1 if node is None else node.nodes
     config = LaunchConfig(
         min_nodes=nodes,
@@ -66,6 +70,15 @@ def launch(
         elastic_launch(config, sys.executable)("-m", "hexiseq.runtime.train", *arguments)
     except ChildFailedError as error:
         return outcome_of({rank: failure.exitcode for rank, failure in error.failures.items()})
+    except Exception as error:  # the rendezvous itself: a port taken, a master unreachable
+        if node is None:
+            raise
+        raise HexiseqError(
+            f"node {node.node_rank} could not meet the other nodes at {node.master} "
+            f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            "check that node 0 runs, that --master is its address and a free port, and that "
+            "every node was started the same way"
+        ) from None
     return LaunchOutcome(0)
 
 

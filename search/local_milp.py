@@ -426,8 +426,8 @@ class _Model:
 
     def _key(self, what: str) -> tuple:
         """A memo key of `what` for this grouping, head split and quantum in a search."""
-        heads = tuple(cls.heads for cls in self.classes)
-        return what, self.problem.train, tuple(self.groups), heads, self.quantum
+        classes = tuple((cls.positions, cls.heads) for cls in self.classes)
+        return what, self.problem.train, tuple(self.groups), classes, self.quantum
 
     def _relaxed(self, times):
         """The LP relaxation's fastest solution, once per groups, quantum and times in a

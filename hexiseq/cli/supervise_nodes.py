@@ -5,7 +5,9 @@ DIR one folder every node sees at the same path (a network file system). Every s
 launches its own node's ranks (torch elastic's launcher with torchrun's static rendezvous:
 global ranks in node order); node 0's makes the run folder, writes the first plan there, answers
 drift and records plans and re-plans in the store. The others wait for that first plan (proof
-that the folder is shared and that they run the same plan) and only launch.
+that the folder is shared and that they run the same plan), take node 0's launch id from the
+folder (their ranks' store rows and the rendezvous name share it) and only launch. Each launch
+meets under its own name: `hexiseq-<launch id>-<launch number>`.
 
 - **Drift** anywhere: rank 0 (on node 0) reports it, node 0's supervisor answers
   (`supervise.Watcher`), and every rank takes the new plan over in place, reading it and the
@@ -62,8 +64,12 @@ SHARED_FOLDER_TIMEOUT_S = 120.0
 """How long a node other than node 0 waits for node 0's first plan in the shared run folder."""
 REPORT_TIMEOUT_S = 60.0
 """How long node 0 waits, after its launch ended, for every node's report of how its ended."""
-DECISION_TIMEOUT_S = 300.0
-"""How long another node waits for node 0's decision after its launch ended."""
+DECISION_TIMEOUT_S = 1200.0
+"""How long another node waits for node 0's decision after its launch ended: node 0's ranks
+may first wait out a collective's timeout on the lost peer (NCCL's default is 10 minutes;
+gloo notices a closed socket at once)."""
+LAUNCH_FILE = "launch.json"
+"""Node 0's launch id in the run folder: every node's ranks and rendezvous use it."""
 
 
 @dataclass
@@ -94,23 +100,24 @@ class NodeRun:
     def coordinator(self) -> bool:
         return self.index == 0
 
-    def node_launch(self) -> NodeLaunch:
+    def node_launch(self, launch: int) -> NodeLaunch:
         from hexiseq.cli.run import DEFAULT_MASTER
         from hexiseq.runtime.launcher import NodeLaunch
 
         master = str(self.args.master or DEFAULT_MASTER)
-        return NodeLaunch(self.index, len(self.plan.cluster.nodes), master)
+        return NodeLaunch(self.index, len(self.plan.cluster.nodes), master, launch)
 
-    def run(self, exchange: Path, resume: bool) -> LaunchOutcome:
-        """This node's ranks of the plan, until they end."""
-        from hexiseq.runtime.launcher import launch
+    def run(self, launch: int) -> LaunchOutcome:
+        """This node's ranks of the plan in launch number `launch`, until they end."""
+        from hexiseq.runtime.launcher import launch as launch_ranks
 
+        exchange = supervision.launch_folder(self.folder, launch)
         arguments = launch_arguments(
-            self.args, self.plan_path, self.folder, exchange, self.fleet, resume
+            self.args, self.plan_path, self.folder, exchange, self.fleet, launch > 0
         )
         count = self.plan.cluster.nodes[self.index].count
         with ranks_environment(self.environment, self.visible_devices()):
-            return launch(arguments, count, self.launch_id, self.node_launch())
+            return launch_ranks(arguments, count, self.launch_id, self.node_launch(launch))
 
     def visible_devices(self) -> str | None:
         """`CUDA_VISIBLE_DEVICES` for this node's devices still present (its local rank r is
@@ -123,6 +130,11 @@ class NodeRun:
             return None
         listed = self.environment.get("CUDA_VISIBLE_DEVICES")
         visible = listed.split(",") if listed else [str(i) for i in range(count)]
+        if len(visible) < count:
+            raise InputError(
+                f"CUDA_VISIBLE_DEVICES={listed} lists {len(visible)} GPU(s) but node "
+                f"{self.name} of the plan has {count}"
+            )
         return ",".join(visible[i] for i in local)
 
     def take(self, decision: dict) -> None:
@@ -138,28 +150,33 @@ def supervise_nodes(args: argparse.Namespace, plan: Plan, environment: dict[str,
     from hexiseq.store import LAUNCH_ID_ENV
 
     name = node_share(plan, args.node_rank).name
-    launch_id = environment[LAUNCH_ID_ENV]
     coordinator = args.node_rank == 0
-    folder = run_folder(args, plan, launch_id) if coordinator else shared_run_folder(args, plan)
+    if coordinator:
+        folder = run_folder(args, plan, environment[LAUNCH_ID_ENV])
+        cost = replan_cost_model(args, plan)  # before the others see the run start
+        supervision.write_json(folder / LAUNCH_FILE, {"launch_id": environment[LAUNCH_ID_ENV]})
+        plan.to_json(folder / "plan-0.json")
+    else:
+        folder = shared_run_folder(args, plan)
+        launch_file = supervision.read_json(folder / LAUNCH_FILE) or {}
+        environment = {**environment, LAUNCH_ID_ENV: str(launch_file.get("launch_id", ""))}
     fleet = Fleet(list(range(plan.cluster.world_size)), args.inject_slowdown, args.inject_failure)
     node = NodeRun(args, environment, name, folder, plan, folder / "plan-0.json", plan, fleet)
     if coordinator:
         print(f"hexiseq run: supervising '{plan.name}' over {len(plan.cluster.nodes)} nodes; "
               f"run folder {folder}", flush=True)  # fmt: skip
-        plan.to_json(node.plan_path)
         remember_plan(args, plan, "run")
-        return _coordinate(node)
+        return _coordinate(node, cost)
     print(f"hexiseq run: node {args.node_rank} ({name}) of '{plan.name}', supervised by node 0; "
           f"run folder {folder}", flush=True)  # fmt: skip
     return _follow(node)
 
 
-def _coordinate(node: NodeRun) -> int:
+def _coordinate(node: NodeRun, cost: CostModel) -> int:
     """Node 0: launches, answers drift, decides after a loss and records."""
     from hexiseq.cli.run import fail_unended_runs
 
     args = node.args
-    cost = replan_cost_model(args, node.plan)
     names = map(f"{node.plan.name}-replan{{}}".format, itertools.count(1))
     remember = functools.partial(remember_plan, args, label="replan")
     recorded: list[tuple[int | None, str]] = []
@@ -170,7 +187,7 @@ def _coordinate(node: NodeRun) -> int:
         watcher = Watcher(exchange, node.folder, node.plan, cost, args.min_gain, names, remember)
         thread = watcher.start()
         try:
-            outcome = node.run(exchange, resume=index > 0)
+            outcome = node.run(index)
         finally:
             watcher.stop(thread)
         for taken in watcher.taken:
@@ -180,12 +197,18 @@ def _coordinate(node: NodeRun) -> int:
                 recorded.append((replan_id, taken.replanned.plan.name))
         node.plan = watcher.plan
         record_measured_after(args, recorded, node.folder)
-        if outcome.code == 0:
+        if outcome.code == 0:  # the run is done: a node still waiting hears it
+            supervision.claim_json(
+                supervision.end_path(exchange), {"action": "stop", "why": "node 0 finished"}
+            )
             return 0
         _report(exchange, node.index, outcome)
         lost = _lost_ranks(node.plan, exchange)
         step = resume_step(node.folder)
-        decision = _decide(node, cost, lost, step, last_loss_step, names)
+        if index == MAX_LAUNCHES - 1:
+            decision = {"action": "stop", "why": f"{MAX_LAUNCHES} launches made"}
+        else:
+            decision = _decide(node, cost, lost, step, last_loss_step, names)
         if decision["action"] == "stop":
             supervision.claim_json(supervision.end_path(exchange), decision)
             return _stopped(node, decision, outcome.code)
@@ -213,10 +236,10 @@ def _follow(node: NodeRun) -> int:
     """Node K > 0: launches its ranks, reports how they ended and does what node 0 decides."""
     for index in range(MAX_LAUNCHES):
         exchange = supervision.launch_folder(node.folder, index)
-        outcome = node.run(exchange, resume=index > 0)
+        outcome = node.run(index)
+        _report(exchange, node.index, outcome)  # node 0 counts only silent nodes as lost
         if outcome.code == 0:
             return 0
-        _report(exchange, node.index, outcome)
         decision = _wait_for_end(exchange)
         if decision["action"] == "stop":
             return _stopped(node, decision, outcome.code)

@@ -42,10 +42,10 @@ def _node_command(plan: Path, folder: Path, node: int, master: str, *flags: str)
 def two_nodes(plan: Path, folder: Path, *flags: str) -> list[tuple[int, str, str]]:
     """Both nodes' supervisors, node 1 first (it waits for node 0's run folder): each one's
     exit code, output and errors."""
-    environment = {**os.environ, "HEXISEQ_LAUNCH_ID": f"two-nodes-{folder.name}"}
     master = f"127.0.0.1:{free_port()}"
-    nodes = [
-        subprocess.Popen(_node_command(plan, folder, k, master, *flags), env=environment,
+    nodes = [  # each its own launch id: node 0's is the run's (the others take it over)
+        subprocess.Popen(_node_command(plan, folder, k, master, *flags),
+                         env={**os.environ, "HEXISEQ_LAUNCH_ID": f"node{k}-{folder.name}"},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for k in (1, 0)
     ]  # fmt: skip
@@ -88,6 +88,7 @@ def test_node_0_replans_a_drift_on_node_1_for_every_node(plan_path, tmp_path):
     assert replan.reason == "drift" and replan.measured_slowdowns[3] > 1.5
     assert [run["status"] for run in runs] == ["replanned", "finished"]
     assert all(run["world_size"] == 4 for run in runs)
+    assert {run["launch_id"] for run in runs} == {f"node0-{tmp_path.name}"}
     old, new = Plan.from_json_text(replan.old_plan_json), Plan.from_json_text(replan.new_plan_json)
     assert new.assignments[3].tokens < old.assignments[3].tokens  # the slowed rank does less
 
