@@ -270,13 +270,8 @@ def supervise(args: argparse.Namespace, plan: Plan, environment: dict[str, str])
                 outcome = launch(arguments, plan.cluster.world_size, launch_id)
         finally:
             watcher.stop(thread)
-        for taken in watcher.taken:  # drift re-plans the ranks took over in place
-            if ran(folder, taken.replanned.plan.name):
-                replan_id = record_replan(args, launch_id, taken.old, taken.replanned,
-                                          taken.change, taken.step)  # fmt: skip
-                recorded.append((replan_id, taken.replanned.plan.name))
+        record_taken(args, launch_id, watcher, folder, recorded)
         plan = watcher.plan  # as measured, with what it took over
-        record_measured_after(args, recorded, folder)
         if not outcome.lost:
             return outcome.code
         step = resume_step(folder)
@@ -478,6 +473,23 @@ def record_replan(
     except HexiseqError as error:
         print(f"hexiseq run: could not record the re-plan: {error}", file=sys.stderr)
         return None
+
+
+def record_taken(
+    args: argparse.Namespace,
+    launch_id: str,
+    watcher: Watcher,
+    folder: Path,
+    recorded: list[tuple[int | None, str]],
+) -> None:
+    """The drift re-plans the ranks took over in place (those whose plan ran) to the store,
+    and each earlier re-plan's measured step once its plan has run."""
+    for taken in watcher.taken:
+        if ran(folder, taken.replanned.plan.name):
+            replan_id = record_replan(args, launch_id, taken.old, taken.replanned,
+                                      taken.change, taken.step)  # fmt: skip
+            recorded.append((replan_id, taken.replanned.plan.name))
+    record_measured_after(args, recorded, folder)
 
 
 def record_measured_after(

@@ -43,10 +43,9 @@ from hexiseq.cli.supervise import (
     check_supervised,
     device_label,
     launch_arguments,
-    ran,
     ranks_environment,
-    record_measured_after,
     record_replan,
+    record_taken,
     remember_plan,
     replan_cost_model,
     replan_lost,
@@ -190,13 +189,8 @@ def _coordinate(node: NodeRun, cost: CostModel) -> int:
             outcome = node.run(index)
         finally:
             watcher.stop(thread)
-        for taken in watcher.taken:
-            if ran(node.folder, taken.replanned.plan.name):
-                replan_id = record_replan(args, node.launch_id, taken.old, taken.replanned,
-                                          taken.change, taken.step)  # fmt: skip
-                recorded.append((replan_id, taken.replanned.plan.name))
+        record_taken(args, node.launch_id, watcher, node.folder, recorded)
         node.plan = watcher.plan
-        record_measured_after(args, recorded, node.folder)
         if outcome.code == 0:  # the run is done: a node still waiting hears it
             supervision.claim_json(
                 supervision.end_path(exchange), {"action": "stop", "why": "node 0 finished"}
