@@ -303,7 +303,7 @@ def cli_cases(d: Path, good_plan_path: str, good_plan: dict) -> list[Case]:
             if option == "--time-budget" and value == "2.5":
                 value = "0.0"  # 2.5 s is a good budget
             add(f"plan {option}", value, [*plan_sl, "8k", option, value])
-    add("plan --workers", "2 without --storage", [*plan_sl, "8k", "--workers", "2"])
+    add("plan --workers", "10**6", [*plan_sl, "8k", "--workers", "1000000"])
     add("plan --micro-batches", "10**9", [*plan_sl, "8k", "--micro-batches", "1000000000"])
     for option, value in [("--cost-model", "magic"), ("--checkpointing", "no"),
                           ("--precision", "fp16"), ("--cost-model", "fitted")]:  # fmt: skip

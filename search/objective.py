@@ -54,7 +54,7 @@ class Objective:
         self.quanta = quantum_choices(problem)
 
     def __call__(self, trial: optuna.Trial):
-        choices = self._sample(trial)
+        choices = self.sample(trial)
         plan = self.plan(choices)
         if isinstance(plan, InfeasiblePlan):
             trial.set_user_attr(INFEASIBLE_ATTR, plan.reason)
@@ -81,7 +81,8 @@ class Objective:
             self.cache[key] = plan_for_choices(self.problem, choices)
         return self.cache[key]
 
-    def _sample(self, trial: optuna.Trial) -> GlobalChoices:
+    def sample(self, trial: optuna.Trial) -> GlobalChoices:
+        """The trial's choices, sampled (Optuna's suggestions)."""
         cluster, model = self.problem.cluster, self.problem.model
         degrees = {
             gpu: trial.suggest_categorical(

@@ -23,6 +23,8 @@ STORAGE_URLS = (
 MAX_MICRO_BATCHES = 65536
 """Most sequences per step a plan may take one after another."""
 PRECISIONS = ("auto", "bf16", "fp32")
+MAX_WORKERS = 256
+"""Most scoring processes a search may start."""
 
 
 class SearchOptions(BaseModel):
@@ -32,7 +34,8 @@ class SearchOptions(BaseModel):
       (neither: the screened short list and the polish only).
     - `seed`: makes the sampling deterministic for a given `n_trials`.
     - `storage`: SQLAlchemy URL of an Optuna study to keep and resume; `study_name` names it.
-    - `workers`: processes sharing the stored study (needs `storage`).
+    - `workers`: processes scoring the sampled trials (this process samples and keeps the
+      study; `search.sampling`).
     - `multi_objective`: trade throughput against the fullest device's headroom (Pareto front).
     - `cost_model`: the cost model to plan with (default: the datasheet model).
     - `activation_checkpointing`: None lets the search drop the recompute wherever memory
@@ -57,7 +60,7 @@ class SearchOptions(BaseModel):
     seed: int = Field(default=0, ge=0, le=2**32 - 1)
     storage: str | None = None
     n_trials: int | None = Field(default=None, ge=1)
-    workers: int = Field(default=1, ge=1)
+    workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     multi_objective: bool = False
     cost_model: Any = None
     activation_checkpointing: bool | None = None
@@ -69,8 +72,6 @@ class SearchOptions(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> SearchOptions:
-        if self.workers > 1 and self.storage is None:
-            raise ValueError("several workers share a study through storage=; give a storage URL")
         required = ("attention_time_s", "transfer_time_s", "label")
         if self.cost_model is not None and not all(
             callable(getattr(self.cost_model, name, None)) for name in required
@@ -107,7 +108,7 @@ def search_options(**keywords: Any) -> SearchOptions:
 _RULES = {
     "time_budget_s": "time budget must be positive seconds",
     "n_trials": "n_trials must be at least 1",
-    "workers": "workers must be at least 1",
+    "workers": f"workers must be from 1 to {MAX_WORKERS}",
     "study_name": "study name must not be empty",
     "seed": "seed must be a whole number from 0 to 2**32 - 1",
 }

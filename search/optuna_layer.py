@@ -35,9 +35,9 @@ from hexiseq.search.objective import (
 )
 from hexiseq.search.options import SearchOptions
 from hexiseq.search.polish import POLISH_STARTS, polish, polish_evaluations
+from hexiseq.search.sampling import sample
 from hexiseq.search.shortlist import shortlist
 from hexiseq.search.studies import create_study, recover_killed_trials, study_storage_errors
-from hexiseq.search.workers import run_workers
 
 
 @dataclass(frozen=True)
@@ -106,25 +106,7 @@ def _sample(study, objective: Objective, options: SearchOptions, scored: int, st
     budget_s = None if options.time_budget_s is None else options.time_budget_s - elapsed_s
     if (remaining is not None and remaining <= 0) or (budget_s is not None and budget_s <= 0):
         return
-    if options.workers > 1:
-        last = None if remaining is None else len(study.trials) + remaining - 1
-        run_workers(
-            objective.problem,
-            options.storage,
-            study.study_name,
-            options.seed,
-            options.multi_objective,
-            options.workers,
-            last,
-            budget_s,
-        )
-        return
-    study.optimize(
-        objective,
-        n_trials=remaining,
-        timeout=budget_s,
-        show_progress_bar=options.show_progress,
-    )
+    sample(study, objective, options, remaining, budget_s)
 
 
 def _polish(study, objective: Objective, options: SearchOptions, started: float):

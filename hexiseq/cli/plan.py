@@ -128,8 +128,8 @@ def _add_search_arguments(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--storage",
         metavar="URL",
-        help="SQLAlchemy URL of the Optuna study (SQLite, PostgreSQL): keeps it, lets workers "
-        "share it and a later run go on with it",
+        help="SQLAlchemy URL of the Optuna study (SQLite, PostgreSQL): keeps it, so that a "
+        "later run goes on with it and other searches can share it",
     )
     plan.add_argument(
         "--study-name",
@@ -142,7 +142,7 @@ def _add_search_arguments(plan: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=1,
         metavar="N",
-        help="processes searching one study (needs --storage; default 1)",
+        help="processes scoring the sampled trials (default 1: this one)",
     )
     plan.add_argument(
         "--pareto",
@@ -216,47 +216,27 @@ def _search(
     args: argparse.Namespace, cluster: Cluster, model: ModelSpec, seq_len: int, cost_model
 ) -> SearchResult:
     """`plan_search` with the CLI's options; a progress bar on a terminal (`cli.progress`)."""
-    from hexiseq.cli.progress import search_progress
+    from hexiseq.cli.progress import shows_progress
     from hexiseq.search import plan_search
-    from hexiseq.search.objective import study_name_for
 
-    checkpointing = _checkpointing(args)
-    options = (False, True) if checkpointing is None else (checkpointing,)
-    study_name = args.study_name or study_name_for(
-        cluster.name,
-        model.name,
+    return plan_search(
+        cluster,
+        model,
         seq_len,
-        args.pareto,
-        options,
+        time_budget_s=args.time_budget,
+        n_trials=args.trials,
+        seed=args.seed,
+        storage=args.storage,
+        study_name=args.study_name,
+        workers=args.workers,
+        multi_objective=args.pareto,
+        activation_checkpointing=_checkpointing(args),
+        show_progress=shows_progress(n_trials=args.trials, time_budget_s=args.time_budget),
+        cost_model=cost_model,
         micro_batches=args.micro_batches,
         precision=args.precision,
+        data_parallel=not args.no_data_parallel,
     )
-    progress = search_progress(
-        storage=args.storage,
-        study_name=study_name,
-        workers=args.workers,
-        n_trials=args.trials,
-        time_budget_s=args.time_budget,
-    )
-    with progress:
-        return plan_search(
-            cluster,
-            model,
-            seq_len,
-            time_budget_s=args.time_budget,
-            n_trials=args.trials,
-            seed=args.seed,
-            storage=args.storage,
-            study_name=study_name if args.storage else None,
-            workers=args.workers,
-            multi_objective=args.pareto,
-            activation_checkpointing=checkpointing,
-            show_progress=progress.optuna_bar,
-            cost_model=cost_model,
-            micro_batches=args.micro_batches,
-            precision=args.precision,
-            data_parallel=not args.no_data_parallel,
-        )
 
 
 def _checkpointing(args: argparse.Namespace) -> bool | None:

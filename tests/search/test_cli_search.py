@@ -26,7 +26,7 @@ def test_trials_and_pareto_print_the_front(capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--workers", "2"], "several workers share a study through storage="),
+        (["--workers", "0"], "--workers: must be at least 1"),
         (["--time-budget", "0"], "--time-budget: must be positive"),
         (["--time-budget", "soon"], "'soon' is not a number of seconds"),
         (["--trials", "0"], "--trials: must be at least 1"),

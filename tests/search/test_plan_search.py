@@ -99,8 +99,6 @@ def test_bad_arguments_are_input_errors():
         plan_search("h100x8", "gpt-9", "128k")
     with pytest.raises(InputError, match="neither a YAML file nor a preset"):
         plan_search("no-such-cluster", "tiny", "128k")
-    with pytest.raises(InputError, match="several workers share a study through storage="):
-        plan_search("h100x8", "tiny", "128k", workers=2)
     with pytest.raises(InputError, match="time budget must be positive"):
         plan_search("h100x8", "tiny", "128k", time_budget_s=0)
 

@@ -1,5 +1,7 @@
-"""Stored studies: a killed search leaves nothing running after a resume; a study searched
-over another space, or of another kind, is refused with one clear message."""
+"""Stored studies: a killed search keeps what it finished and leaves nothing running; trials
+left running by another process (Optuna's own sampling on the storage) are failed and scored
+again by the next search; a study searched over another space, or of another kind, is refused
+with one clear message."""
 
 from __future__ import annotations
 
@@ -22,18 +24,24 @@ CHILD = textwrap.dedent(
     """
     import sys, time
     import hexiseq.search.objective as objective
+    import hexiseq.search.optuna_layer as optuna_layer
     import hexiseq.search.studies as studies
     studies.HEARTBEAT_S, studies.GRACE_S = 1, 2
     original = objective.Objective.__call__
 
     def stuck_after_four(self, trial):
-        if trial.number >= 4:  # this trial chooses, then stays RUNNING until killed
-            self._sample(trial)
+        if trial.number >= 4:  # this trial chooses, then runs until killed
+            self.sample(trial)
             print("stuck", flush=True)
             time.sleep(600)
         return original(self, trial)
 
+    def optuna_on_the_storage(study, objective, options, count, budget_s):
+        study.optimize(objective, n_trials=count)  # Optuna's own way: trials run stored
+
     objective.Objective.__call__ = stuck_after_four
+    if sys.argv[2] == "optuna":
+        optuna_layer.sample = optuna_on_the_storage
     from hexiseq import plan_search
     plan_search("cpu-emulated-2type", "tiny", 8192, n_trials=40, storage=sys.argv[1],
                 study_name="killed")
@@ -41,15 +49,38 @@ CHILD = textwrap.dedent(
 )
 
 
-def test_a_killed_search_is_resumed_with_its_stuck_trial_failed_and_retried(tmp_path, monkeypatch):
-    url = f"sqlite:///{tmp_path / 'study.db'}"
-    child = subprocess.Popen([sys.executable, "-c", CHILD, url], stdout=subprocess.PIPE, text=True)
+def _killed_while_stuck(url: str, sampling: str) -> None:
+    """The CHILD search (`sampling`: "hexiseq" or "optuna"), killed in its fifth trial."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, url, sampling], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert child.stdout.readline().strip() == "stuck"
-        time.sleep(1.5)  # killed mid-trial, after its first heartbeat
+        time.sleep(1.5)  # killed mid-trial, after a first heartbeat where there are any
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.wait()
+
+
+def test_a_killed_search_keeps_the_trials_it_finished_and_leaves_none_running(tmp_path):
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    _killed_while_stuck(url, "hexiseq")
+    study = optuna.load_study(study_name="killed", storage=url)
+    assert [t.number for t in study.trials] == [0, 1, 2, 3]  # trial 4 was never written
+    assert {t.state for t in study.trials} == {optuna.trial.TrialState.COMPLETE}
+    plan_search("cpu-emulated-2type", "tiny", 8192, n_trials=3, storage=url, study_name="killed")
+    study = optuna.load_study(study_name="killed", storage=url)
+    assert len(study.trials) == 7
+    assert {t.state for t in study.trials} == {optuna.trial.TrialState.COMPLETE}
+
+
+def test_a_trial_left_running_by_a_killed_process_is_failed_and_scored_again(
+    tmp_path, monkeypatch
+):
+    """A process sampling on the storage the Optuna way leaves its trial RUNNING when killed;
+    the next search fails it (its heartbeat stopped) and scores its choices again, once."""
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    _killed_while_stuck(url, "optuna")
     study = optuna.load_study(study_name="killed", storage=url)
     running = [t for t in study.trials if t.state == optuna.trial.TrialState.RUNNING]
     assert len(running) == 1
