@@ -6,8 +6,9 @@ again after a lost device never meets an earlier launch's files). Files are writ
 - `steps.jsonl`: rank 0 appends one line per step: step, loss, step time, plan name and, once
   the drift monitor has its baseline, every rank's relative drift.
 - `drift-<step>.json`: rank 0, when some rank changed speed (`runtime._drift.Drift`).
-- over several nodes, `ended-node<K>.json` (how node K's launch ended) and `end.json` (node 0's
-  decision then: relaunch with a plan, or stop), `hexiseq.cli.supervise_nodes`.
+- over several nodes, `ended-node<K>.json` (how node K's launch ended), `end.json` (node 0's
+  decision then: relaunch with a plan, or stop) and `beat-node<K>.json` (node K's supervisor
+  is alive: a count it raises every few seconds), `hexiseq.cli.supervise_nodes`.
 - `decision-<step>.json`: the answer to that drift, created once (`claim_json`): by the
   supervisor, {"action": "replan", "plan": path} (the ranks checkpoint after that step and go
   on with the plan at `path`, in place: same world, work moved, states resharded from the
@@ -58,6 +59,11 @@ def decision_path(folder: str | Path, step: int) -> Path:
 def ended_path(folder: str | Path, node: int) -> Path:
     """Over several nodes: how node `node`'s launch ended (exit code, lost ranks)."""
     return Path(folder) / f"ended-node{node:03d}.json"
+
+
+def beat_path(folder: str | Path, node: int) -> Path:
+    """Over several nodes: node `node`'s supervisor's beat while its launch runs."""
+    return Path(folder) / f"beat-node{node:03d}.json"
 
 
 def end_path(folder: str | Path) -> Path:

@@ -6,13 +6,17 @@ failing run, which torchrun's exit code does not say.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 
 from hexiseq.errors import HexiseqError
 
+RENDEZVOUS_TIMEOUT_S = 900
+"""How long a node of a launch over several nodes waits for the others to meet."""
 LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 """How the launcher stops the ranks it gives up on: not a lost device."""
 
@@ -53,7 +57,7 @@ def launch(
         rendezvous = {
             "rdzv_backend": "static",
             "rdzv_endpoint": node.master,
-            "rdzv_configs": {"rank": node.node_rank, "timeout": 900},
+            "rdzv_configs": {"rank": node.node_rank, "timeout": RENDEZVOUS_TIMEOUT_S},
         }
         run_id = f"hexiseq-{launch_id[:8]}-{node.launch}"  # the same on every node
     nodes = 1 if node is None else node.nodes
@@ -91,6 +95,34 @@ def outcome_of(exit_codes: dict[int, int]) -> LaunchOutcome:
         return LaunchOutcome(1, lost)
     positive = [c for c in exit_codes.values() if c > 0]
     return LaunchOutcome(max(positive) if positive else 1)
+
+
+def stop_ranks() -> int:
+    """SIGTERM to the ranks this process launched (its child processes running the runtime):
+    a signal of the launcher's own, so no rank counts as lost, and the launch ends. Linux
+    (/proc); how many were signalled."""
+    stopped = 0
+    for pid in _children(os.getpid()):
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"hexiseq.runtime.train" in command:
+                os.kill(pid, signal.SIGTERM)
+                stopped += 1
+        except (OSError, ProcessLookupError):  # it ended meanwhile
+            continue
+    return stopped
+
+
+def _children(parent: int) -> list[int]:
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == parent:  # the field after the state: the parent's pid
+            children.append(int(stat.parent.name))
+    return children
 
 
 def checkpoint_support_error() -> str | None:

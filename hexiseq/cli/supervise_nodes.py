@@ -12,7 +12,10 @@ meets under its own name: `hexiseq-<launch id>-<launch number>`.
 - **Drift** anywhere: rank 0 (on node 0) reports it, node 0's supervisor answers
   (`supervise.Watcher`), and every rank takes the new plan over in place, reading it and the
   checkpoint from the shared folder: no launch ends.
-- **A lost device**: its node's launch ends with it lost, the others' with their peers' errors.
+- **A lost device**: its node's launch ends with it lost, the others' with their peers' errors
+  (`PeerWatch` stops a node's ranks as soon as another node's launch ended in error, or
+  another node's supervisor stopped beating: on NCCL they would first wait out a collective's
+  timeout).
   Every supervisor then writes how its launch ended into the launch's folder
   (`ended-<node>.json`: exit code and lost ranks). Node 0 waits for every node's (a node that
   never reports within `REPORT_TIMEOUT_S` lost all its devices: its machine is gone), plans on
@@ -28,8 +31,10 @@ import argparse
 import functools
 import itertools
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,7 +73,14 @@ DECISION_TIMEOUT_S = 1200.0
 may first wait out a collective's timeout on the lost peer (NCCL's default is 10 minutes;
 gloo notices a closed socket at once)."""
 LAUNCH_FILE = "launch.json"
-"""Node 0's launch id in the run folder: every node's ranks and rendezvous use it."""
+"""Node 0's launch id, flags and start in the run folder: every node's ranks and rendezvous
+use the id, every node must have the same flags."""
+BEAT_S = 2.0
+"""How often a node's supervisor beats while its launch runs."""
+PEER_POLL_S = 0.5
+"""How often a node reads the other nodes' beats and reports while its launch runs."""
+SILENT_S = REPORT_TIMEOUT_S
+"""A node whose supervisor beat and then stopped for this long is gone with its machine."""
 
 
 @dataclass
@@ -107,16 +119,23 @@ class NodeRun:
         return NodeLaunch(self.index, len(self.plan.cluster.nodes), master, launch)
 
     def run(self, launch: int) -> LaunchOutcome:
-        """This node's ranks of the plan in launch number `launch`, until they end."""
+        """This node's ranks of the plan in launch number `launch`, until they end (or until
+        another node's ended in error or went silent: `PeerWatch`)."""
         from hexiseq.runtime.launcher import launch as launch_ranks
+        from hexiseq.runtime.launcher import stop_ranks
 
         exchange = supervision.launch_folder(self.folder, launch)
         arguments = launch_arguments(
             self.args, self.plan_path, self.folder, exchange, self.fleet, launch > 0
         )
         count = self.plan.cluster.nodes[self.index].count
-        with ranks_environment(self.environment, self.visible_devices()):
-            return launch_ranks(arguments, count, self.launch_id, self.node_launch(launch))
+        watch = PeerWatch(exchange, self.index, len(self.plan.cluster.nodes), stop_ranks)
+        thread = watch.start()
+        try:
+            with ranks_environment(self.environment, self.visible_devices()):
+                return launch_ranks(arguments, count, self.launch_id, self.node_launch(launch))
+        finally:
+            watch.stop(thread)
 
     def visible_devices(self) -> str | None:
         """`CUDA_VISIBLE_DEVICES` for this node's devices still present (its local rank r is
@@ -143,6 +162,78 @@ class NodeRun:
         self.fleet.renumber({int(old): int(new) for old, new in decision["rank_map"].items()})
 
 
+@dataclass
+class PeerWatch:
+    """While this node's launch runs (a thread): beats for the other nodes, and stops this
+    node's ranks once another node's launch ended in error or another node's supervisor,
+    having beaten, stopped for `SILENT_S` (its machine is gone). Its ranks would otherwise
+    wait on their lost peers until a collective's timeout (10 minutes on NCCL; gloo sees a
+    closed socket at once, but not a machine that vanished)."""
+
+    exchange: Path
+    index: int
+    nodes: int
+    stop_ranks: Callable[[], int]
+    """Stops this node's ranks; how many it stopped (none yet: they start after the others
+    meet)."""
+    clock: Callable[[], float] = time.monotonic
+    beats: int = 0
+    heard: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Per other node: its last beat and when this node first saw it."""
+    stopped: str | None = None
+    """Why this node's ranks were stopped (None: they were not)."""
+    _done: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="hexiseq-peer-watch", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self, thread: threading.Thread) -> None:
+        self._done.set()
+        thread.join()
+
+    def _run(self) -> None:
+        next_beat = self.clock()
+        while not self._done.is_set():
+            if self.clock() >= next_beat:
+                self.beat()
+                next_beat = self.clock() + BEAT_S
+            self.check()
+            self._done.wait(PEER_POLL_S)
+
+    def beat(self) -> None:
+        self.beats += 1
+        supervision.write_json(supervision.beat_path(self.exchange, self.index), self.beats)
+
+    def check(self) -> None:
+        """Stop this node's ranks when another node's launch ended in error or went silent."""
+        if self.stopped is not None:
+            return
+        why = self.reason()
+        if why is not None and self.stop_ranks() > 0:
+            self.stopped = why
+            print(f"hexiseq run: node {self.index} stops its ranks: {why}", flush=True)
+
+    def reason(self) -> str | None:
+        """Why this node's ranks should stop now (None: they should not)."""
+        now = self.clock()
+        for node in range(self.nodes):
+            if node == self.index:
+                continue
+            ended = supervision.read_json(supervision.ended_path(self.exchange, node))
+            if ended is not None and ended.get("code") != 0:
+                return f"node {node}'s launch ended in error"
+            beat = supervision.read_json(supervision.beat_path(self.exchange, node))
+            if beat is None or ended is not None:
+                continue  # not started yet, or finished
+            if node not in self.heard or self.heard[node][0] != beat:
+                self.heard[node] = (beat, now)
+            elif now - self.heard[node][1] > SILENT_S:
+                return f"node {node}'s supervisor has been silent for {SILENT_S:.0f} s"
+        return None
+
+
 def supervise_nodes(args: argparse.Namespace, plan: Plan, environment: dict[str, str]) -> int:
     """This node's supervisor of a run over several nodes (module docstring); the exit code."""
     from hexiseq.cli.run import node_share
@@ -153,7 +244,12 @@ def supervise_nodes(args: argparse.Namespace, plan: Plan, environment: dict[str,
     if coordinator:
         folder = run_folder(args, plan, environment[LAUNCH_ID_ENV])
         cost = replan_cost_model(args, plan)  # before the others see the run start
-        supervision.write_json(folder / LAUNCH_FILE, {"launch_id": environment[LAUNCH_ID_ENV]})
+        started = {
+            "launch_id": environment[LAUNCH_ID_ENV],
+            "flags": shared_flags(args),
+            "written_at": time.time(),
+        }
+        supervision.write_json(folder / LAUNCH_FILE, started)
         plan.to_json(folder / "plan-0.json")
     else:
         folder = shared_run_folder(args, plan)
@@ -363,4 +459,63 @@ def shared_run_folder(args: argparse.Namespace, plan: Plan) -> Path:
             f"--run-dir {folder}: node 0 runs another plan ({first}); give every node the same "
             "plan file and a run folder of its own run"
         )
+    problem = _earlier_run(folder) or _other_flags(folder, shared_flags(args))
+    if problem is not None:
+        raise InputError(f"--run-dir {folder}: {problem}")
     return folder
+
+
+def shared_flags(args: argparse.Namespace) -> list[str]:
+    """The flags every node of a supervised run must be given alike: the ranks of all nodes
+    train, checkpoint and report drift together, and each node's supervisor injects the
+    faults of its own ranks."""
+    from hexiseq.cli.run import train_flags
+
+    own = ("--plan=", "--no-store")  # the plan is compared whole; the store is each node's
+    flags = [flag for flag in train_flags(args, "") if not flag.startswith(own)]
+    return [
+        *flags,
+        f"--checkpoint-every={args.checkpoint_every}",
+        f"--drift-threshold={args.drift_threshold!r}",
+    ]
+
+
+def _earlier_run(folder: Path) -> str | None:
+    """Why the run folder is an earlier run's, not the one node 0 starts now (None: it is
+    this run's): its steps, launch reports or checkpoints, or a start older than a rendezvous
+    waits (node 0 itself refuses a folder that is not empty)."""
+    from hexiseq.runtime.launcher import RENDEZVOUS_TIMEOUT_S
+
+    launches = supervision.launch_folders(folder)
+    reports = [p for launch in launches for p in launch.glob("end*.json")]
+    checkpoints = folder / "checkpoints"
+    started = (supervision.read_json(folder / LAUNCH_FILE) or {}).get("written_at")
+    if (
+        supervision.read_steps(folder)
+        or reports
+        or (checkpoints.is_dir() and any(checkpoints.iterdir()))
+    ):
+        return (
+            "it holds an earlier run's steps, reports or checkpoints; give every node a new or "
+            "empty folder (node 0 makes the run's files)"
+        )
+    if not isinstance(started, (int, float)) or time.time() - started > RENDEZVOUS_TIMEOUT_S:
+        return (
+            f"node 0 started this run more than {RENDEZVOUS_TIMEOUT_S} s ago (an earlier "
+            "run's folder?); give every node a new or empty folder and start them together"
+        )
+    return None
+
+
+def _other_flags(folder: Path, flags: list[str]) -> str | None:
+    """Which flags this node was given otherwise than node 0 (None: all alike)."""
+    theirs = (supervision.read_json(folder / LAUNCH_FILE) or {}).get("flags", [])
+    if theirs == flags:
+        return None
+    node0 = " ".join(flag for flag in theirs if flag not in flags) or "(none)"
+    mine = " ".join(flag for flag in flags if flag not in theirs) or "(none)"
+    return (
+        f"node 0 runs with {node0} where this node has {mine}; give every node the same "
+        "flags (--steps, --seed, --device, --state-sharding, --checkpoint-every, "
+        "--drift-threshold and the injected faults)"
+    )

@@ -229,3 +229,127 @@ def test_a_node_that_does_not_see_node_0s_folder_says_so(plan_path, tmp_path, mo
     other.to_json(tmp_path / "run" / "plan-0.json")
     with pytest.raises(InputError, match="node 0 runs another plan"):
         shared_run_folder(args, plan)
+
+
+def _follower_args(plan_path: Path, folder: Path, *flags: str):
+    from hexiseq.cli import build_parser
+    from hexiseq.cli.run import replan_options
+
+    argv = ["run", "--plan", str(plan_path), "--replan", "--run-dir", str(folder),
+            "--node-rank", "1", "--device", "cpu", *flags]  # fmt: skip
+    return replan_options(build_parser().parse_args(argv))
+
+
+def _node_0_started(plan_path: Path, folder: Path, *flags: str, written_at: float | None = None):
+    """The run folder as node 0 leaves it when it starts with `flags`."""
+    import time
+
+    folder.mkdir(exist_ok=True)
+    node_0 = _follower_args(plan_path, folder, *flags)
+    launch = {
+        "launch_id": "node0",
+        "flags": supervise_nodes.shared_flags(node_0),
+        "written_at": time.time() if written_at is None else written_at,
+    }
+    supervision.write_json(folder / supervise_nodes.LAUNCH_FILE, launch)
+    Plan.from_json(plan_path).to_json(folder / "plan-0.json")
+
+
+def test_a_node_given_other_flags_than_node_0_is_refused(plan_path, tmp_path):
+    folder = tmp_path / "run"
+    _node_0_started(plan_path, folder, "--steps", "8", "--checkpoint-every", "2")
+    plan = Plan.from_json(plan_path)
+    assert shared_run_folder(
+        _follower_args(plan_path, folder, "--steps", "8", "--checkpoint-every", "2"), plan
+    ) == folder  # fmt: skip
+    other = _follower_args(plan_path, folder, "--steps", "10", "--checkpoint-every", "2",
+                           "--inject-failure", "3@2")  # fmt: skip
+    with pytest.raises(InputError) as refused:
+        shared_run_folder(other, plan)
+    message = str(refused.value)
+    assert "node 0 runs with --steps=8 where this node has --steps=10 --inject-failure=3@2" in (
+        message
+    )
+    assert "give every node the same flags" in message and "\n" not in message
+
+
+def test_a_node_refuses_an_earlier_runs_folder(plan_path, tmp_path):
+    """A node started before node 0, in a folder an earlier run left, must not take that run's
+    plan and launch id: node 0 will refuse the folder and never meet it."""
+    plan = Plan.from_json(plan_path)
+    stale = tmp_path / "stale"
+    _node_0_started(plan_path, stale, written_at=0.0)  # 1970: longer ago than a rendezvous waits
+    with pytest.raises(InputError, match="node 0 started this run more than 900 s ago"):
+        shared_run_folder(_follower_args(plan_path, stale), plan)
+    ran = tmp_path / "ran"
+    _node_0_started(plan_path, ran)
+    launch = supervision.launch_folder(ran, 0)
+    launch.mkdir()
+    supervision.write_json(supervision.ended_path(launch, 0), {"code": 0, "lost": []})
+    with pytest.raises(InputError, match="holds an earlier run's steps, reports or checkpoints"):
+        shared_run_folder(_follower_args(plan_path, ran), plan)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_node_stops_its_ranks_when_another_nodes_launch_failed(tmp_path):
+    stops = []
+    watch = supervise_nodes.PeerWatch(tmp_path, 0, 3, lambda: stops.append(1) or 2)
+    supervision.write_json(supervision.ended_path(tmp_path, 1), {"code": 0, "lost": []})
+    watch.check()
+    assert not stops and watch.stopped is None  # node 1 finished: nothing to stop
+    supervision.write_json(supervision.ended_path(tmp_path, 2), {"code": 1, "lost": [5]})
+    watch.check()
+    watch.check()  # once
+    assert stops == [1] and watch.stopped == "node 2's launch ended in error"
+
+
+def test_a_node_stops_its_ranks_when_another_node_goes_silent(tmp_path, monkeypatch):
+    """Node 1 beats, then stops beating (its machine vanished, no socket closed): after
+    SILENT_S node 0 stops its own ranks. A node that never beat has not started yet: its
+    silence is the rendezvous's to time out."""
+    clock = _Clock()
+    stopped = []
+    ranks = [0]  # none yet: they start once every node has met
+    watch = supervise_nodes.PeerWatch(tmp_path, 0, 3, lambda: stopped.append(ranks[0]) or ranks[0],
+                                      clock)  # fmt: skip
+    for beat in range(1, 4):
+        supervision.write_json(supervision.beat_path(tmp_path, 1), beat)
+        clock.now += supervise_nodes.BEAT_S
+        watch.check()
+    assert watch.stopped is None and not stopped
+    clock.now += supervise_nodes.SILENT_S + 1
+    watch.check()
+    assert stopped == [0] and watch.stopped is None  # no rank to stop yet: it tries again
+    ranks[0] = 2
+    watch.check()
+    assert watch.stopped == "node 1's supervisor has been silent for 60 s"
+    watch.beat()
+    assert supervision.read_json(supervision.beat_path(tmp_path, 0)) == 1
+
+
+def test_stop_ranks_signals_this_process_s_ranks_only(tmp_path):
+    """`stop_ranks` (PeerWatch's default) sends SIGTERM, a launcher signal (no rank counts as
+    lost), to the child processes running the runtime, and to nothing else."""
+    import signal
+
+    from hexiseq.runtime.launcher import outcome_of, stop_ranks
+
+    sleep = "import time; time.sleep(60)"
+    rank = subprocess.Popen([sys.executable, "-c", sleep, "-m", "hexiseq.runtime.train"])
+    other = subprocess.Popen([sys.executable, "-c", sleep])
+    try:
+        assert stop_ranks() == 1
+        assert rank.wait(timeout=30) == -signal.SIGTERM
+        assert other.poll() is None
+        assert outcome_of({0: rank.returncode}).lost == ()
+    finally:
+        for process in (rank, other):
+            process.kill()
+            process.wait()
