@@ -108,7 +108,7 @@ def stop_ranks() -> int:
             if b"hexiseq.runtime.train" in command:
                 os.kill(pid, signal.SIGTERM)
                 stopped += 1
-        except (OSError, ProcessLookupError):  # it ended meanwhile
+        except OSError:  # it ended meanwhile
             continue
     return stopped
 
@@ -118,9 +118,10 @@ def _children(parent: int) -> list[int]:
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
+            parent_pid = int(fields[1])  # the field after the state
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not a process's
             continue
-        if int(fields[1]) == parent:  # the field after the state: the parent's pid
+        if parent_pid == parent:
             children.append(int(stat.parent.name))
     return children
 

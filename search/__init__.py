@@ -1,9 +1,9 @@
 """Plan search (docs/design.md §7): greedy global grouping and ring order (`greedy`), an exact
 local stage for segments, token shares and state shares (`local_milp`), a screen that prices
 candidates without simulating them (`screen`), the short list (`shortlist`), the Optuna study
-loop (`optuna_layer`, `objective`, `workers`), the polish (`polish`), and the baselines every
-plan is compared with under the same simulator (`baselines`). `plan_search` (`api`) takes its
-options as keywords or as one `SearchOptions` (`options`).
+loop (`optuna_layer`, `objective`, `sampling`, `studies`), the polish (`polish`), and the
+baselines every plan is compared with under the same simulator (`baselines`). `plan_search`
+(`api`) takes its options as keywords or as one `SearchOptions` (`options`).
 """
 
 from hexiseq.search.api import SearchResult, Trial, plan_search

@@ -197,38 +197,16 @@ def _step_before_records(problem: Problem) -> dict:
 
 
 def default_study_name(problem: Problem, options: SearchOptions) -> str:
-    """The name of a search's study when `study_name` is not given (`study_name_for`)."""
-    return study_name_for(
-        problem.cluster.name,
-        problem.model.name,
-        problem.train.seq_len,
-        options.multi_objective,
-        problem.checkpointing_options,
-        micro_batches=options.micro_batches,
-        precision=options.precision,
-    )
-
-
-def study_name_for(
-    cluster_name: str,
-    model_name: str,
-    seq_len: int,
-    multi_objective: bool,
-    checkpointing_options: tuple[bool, ...],
-    *,
-    micro_batches: int = 1,
-    precision: str = "auto",
-) -> str:
-    """cluster/model/tokens/kind, with the checkpointing setting where it is forced (a
-    forced search is another search space), the micro-batches where more than one and the
-    precision where chosen: the default study name, which `hexiseq plan` also needs before
-    the search starts (its progress bar reads the stored study)."""
-    kind = "pareto" if multi_objective else "throughput"
-    name = f"{cluster_name}/{model_name}/{seq_len}/{kind}"
-    if len(checkpointing_options) == 1:
-        name += "/checkpointing-" + ("on" if checkpointing_options[0] else "off")
-    if micro_batches != 1:
-        name += f"/{micro_batches}-micro-batches"
-    if precision != "auto":
-        name += f"/{precision}"
+    """The name of a search's study when `study_name` is not given: cluster/model/tokens/
+    kind, with the checkpointing setting where it is forced (a forced search is another
+    search space), the micro-batches where more than one and the precision where chosen."""
+    kind = "pareto" if options.multi_objective else "throughput"
+    name = f"{problem.cluster.name}/{problem.model.name}/{problem.train.seq_len}/{kind}"
+    forced = problem.checkpointing_options
+    if len(forced) == 1:
+        name += "/checkpointing-" + ("on" if forced[0] else "off")
+    if options.micro_batches != 1:
+        name += f"/{options.micro_batches}-micro-batches"
+    if options.precision != "auto":
+        name += f"/{options.precision}"
     return name

@@ -32,7 +32,7 @@ class SearchOptions(BaseModel):
 
     - `time_budget_s`, `n_trials`: go on sampling with Optuna for this long / this many trials
       (neither: the screened short list and the polish only).
-    - `seed`: makes the sampling deterministic for a given `n_trials`.
+    - `seed`: makes the sampling deterministic for a given `n_trials` (with one worker).
     - `storage`: SQLAlchemy URL of an Optuna study to keep and resume; `study_name` names it.
     - `workers`: processes scoring the sampled trials (this process samples and keeps the
       study; `search.sampling`).
@@ -45,7 +45,7 @@ class SearchOptions(BaseModel):
     - `precision`: the compute dtype the plan is for and `hexiseq run` computes in: "bf16",
       "fp32", or "auto" (bf16 on GPUs, fp32 on an all-CPU cluster, as the runtime runs there);
       master weights, gradients and AdamW states are FP32 either way.
-    - `show_progress`: Optuna's progress bar.
+    - `show_progress`: a progress bar on stderr (Optuna's with one worker).
     - `data_parallel`: with several sequences per step, also plan data-parallel replicas
       sharing them (the cluster split by nodes, each part its own CP-HP mesh on its own
       sequences) and pick them where they are faster; False: one CP-HP mesh over the whole

@@ -1,15 +1,15 @@
 """Optuna layer: the study loop over the global choices (greedy -> MILP -> simulator each).
 
-A new study first scores the screened short list (`search.shortlist`: the greedy default
-first, so a search never returns worse than the hierarchy alone), then samples with seeded
-TPE for `n_trials` or `time_budget_s` (in this process, or in `search.workers` sharing a
-stored study), and every single-objective search ends with the polish (`search.polish`), a
-deterministic local search from the best trials whose full evaluations are capped so the
-default search keeps its time goal. A storage URL (SQLite, PostgreSQL) keeps the study and
-lets a later run go on where an earlier one stopped: old trials are read back as their
-values, and only the plans reported (the best, the Pareto front) are rebuilt. With
-`multi_objective` the study trades throughput against the fullest device's memory headroom
-and returns the Pareto front.
+A new study first scores the screened short list (`search.shortlist`: the greedy default first,
+so a search never returns worse than the hierarchy alone), then samples with seeded TPE for
+`n_trials` or `time_budget_s` (`search.sampling`: on an in-memory mirror of a stored study,
+scored in this process or in worker processes), and every single-objective search ends with the
+polish (`search.polish`), a deterministic local search from the best trials whose full
+evaluations are capped so the default search keeps its time goal. A storage URL (SQLite,
+PostgreSQL) keeps the study and lets a later run go on where an earlier one stopped: old trials
+are read back as their values, and only the plans reported (the best, the Pareto front) are
+rebuilt. With `multi_objective` the study trades throughput against the fullest device's memory
+headroom and returns the Pareto front.
 """
 
 from __future__ import annotations

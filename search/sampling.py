@@ -3,26 +3,31 @@
 Optuna writes a stored trial row by row as it is sampled, a transaction for every choice (on
 SQLite about two thirds of a 200-trial search's time). Here a stored study is mirrored in
 memory (its finished trials copied in), TPE asks and is told there, and each finished trial
-is written to the stored study once, whole (`study.add_trial`): a killed search never leaves
-a running trial behind, and the trials it finished are kept. The trials other processes add
-to the stored study meanwhile are copied into the mirror every `SYNC_S`, and the same seed
-samples the same trials as a search in memory.
+is written to the stored study once, whole (`study.add_trial`), as soon as it is told: a
+killed search never leaves a running trial behind, and it keeps the trials it finished (with
+workers, all but those still queued for the writer thread when it was killed). The trials
+other processes add to the stored study meanwhile are copied into the mirror every `SYNC_S`
+(searches sharing a study should each have their own seed: the same seed on the same
+history samples the same trials). With one worker the same seed samples the same trials as a
+search in memory.
 
 With `workers` > 1 the trials are scored in worker processes while this process samples: it
 keeps every worker busy (a trial each; a choice already scored, or being scored, is not
-scored again), tells the study each result as it comes back, and a thread of its own writes
-the finished trials to the stored study, `WRITE_BATCH` at a time (a write costs about as much
-CPU as a score). The trial count is exact: this process asks exactly the trials it was given.
-Workers return values, not plans: only the plans reported (the best, the Pareto front) are
-rebuilt here.
+scored again), tells the study each result as it comes back (in the order they come: the
+seed no longer fixes the trials), and a thread of its own writes the finished trials to the
+stored study (a write costs about as much CPU as a score). The trial count is exact: this
+process asks exactly the trials it was given. Workers return values, not plans: only the
+plans reported (the best, the Pareto front) are rebuilt here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import multiprocessing
 import os
+import signal
 import time
 import uuid
 from concurrent.futures import (
@@ -114,14 +119,10 @@ class _Mirror:
 
 
 def _with_writer(trial: optuna.trial.FrozenTrial, writer: str) -> optuna.trial.FrozenTrial:
-    return optuna.trial.create_trial(
-        state=trial.state,
-        params=trial.params,
-        distributions=trial.distributions,
-        values=trial.values,
-        user_attrs=trial.user_attrs,
-        system_attrs={**trial.system_attrs, WRITER_ATTR: writer},
-    )
+    """`trial` (its times too) marked as written by `writer`."""
+    written = copy.deepcopy(trial)
+    written.system_attrs = {**trial.system_attrs, WRITER_ATTR: writer}
+    return written
 
 
 _FINISHED = (
@@ -139,7 +140,7 @@ def _sample_with_workers(
     budget_s: float | None,
     mirror: _Mirror | None,
 ) -> None:
-    """Ask and tell here, score in `options.workers` processes and write in one more (module
+    """Ask and tell here, score in `options.workers` processes, write in a thread (module
     docstring)."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     context = multiprocessing.get_context("spawn")
@@ -152,15 +153,25 @@ def _sample_with_workers(
         writer = None if mirror is None else stack.enter_context(_Writer(mirror))
         bar = stack.enter_context(_Progress(options.show_progress, count, budget_s))
         queue = _Queue(study, objective, pool, writer)
-        asked = 0
-        while True:
-            while queue.busy < options.workers and _more(asked, count, deadline):
-                queue.ask()
-                asked += 1
-            if not queue.busy:
-                break
-            queue.tell_finished()
-            bar.show(queue.told)
+        try:
+            _ask_and_tell(queue, options.workers, count, deadline, bar)
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # what no worker started yet: never started
+            raise
+
+
+def _ask_and_tell(
+    queue: _Queue, workers: int, count: int | None, deadline: float | None, bar: _Progress
+) -> None:
+    asked = 0
+    while True:
+        while queue.busy < workers and _more(asked, count, deadline):
+            queue.ask()
+            asked += 1
+        if not queue.busy:
+            return
+        queue.tell_finished()
+        bar.show(queue.told)
 
 
 def _more(asked: int, count: int | None, deadline: float | None) -> bool:
@@ -170,37 +181,44 @@ def _more(asked: int, count: int | None, deadline: float | None) -> bool:
 
 
 class _Writer:
-    """Writes the trials finished in the mirror to the stored study, `WRITE_BATCH` at a time,
-    in a thread of its own: the scorers' results keep coming while it writes. On leaving,
-    every trial was written (a write's exception surfaces there)."""
+    """Writes each trial finished in the mirror to the stored study as soon as it is told, in
+    a thread of its own (the scorers' results keep coming while it writes). A write that
+    failed is raised at the next trial; on leaving, every trial was written."""
 
     def __init__(self, mirror: _Mirror) -> None:
         self.mirror = mirror
-        self.batch: list[optuna.trial.FrozenTrial] = []
         self.pool = ThreadPoolExecutor(1, "hexiseq-study-writer")
         self.writes: list[Future] = []
 
     def __enter__(self) -> _Writer:
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.flush()  # the trials that finished are kept, whatever ended the search
-        self.pool.shutdown()
-        if exc_info[0] is None:
-            for future in self.writes:
-                future.result()
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        self.pool.shutdown()  # the trials told are written, whatever ended the search
+        failed = [f.exception() for f in self.writes if f.exception() is not None]
+        if failed and exc_value is None:
+            raise failed[0]
+        if failed and hasattr(exc_value, "add_note"):  # Python 3.11 on
+            exc_value.add_note(f"writing the finished trials failed too: {failed[0]}")
 
     def finished(self, trial: optuna.trial.FrozenTrial) -> None:
-        self.batch.append(self.mirror.written(trial))
-        if len(self.batch) >= WRITE_BATCH:
-            self.flush()
+        self._raise_failed()
+        self.writes.append(
+            self.pool.submit(self.mirror.stored.add_trial, self.mirror.written(trial))
+        )
         if time.monotonic() - self.mirror.synced_at > SYNC_S:
             self.mirror.take_in()
 
-    def flush(self) -> None:
-        if self.batch:
-            self.writes.append(self.pool.submit(self.mirror.stored.add_trials, self.batch))
-            self.batch = []
+    def _raise_failed(self) -> None:
+        """The first failed write's exception, once it is known; written ones are let go."""
+        pending = []
+        for future in self.writes:
+            if not future.done():
+                pending.append(future)
+            elif future.exception() is not None:
+                self.writes.remove(future)  # raised here, not again on leaving
+                raise future.exception()
+        self.writes = pending
 
 
 @dataclass
@@ -288,12 +306,9 @@ class _Progress:
 
 
 SCORER_NICENESS = 10
-"""Scorers yield the CPU to the writer and to this process, which the search waits on when
-the cores are fewer than the processes (a stored trial costs about as much to write as to
-score, and one process writes them all)."""
-WRITE_BATCH = 8
-"""Trials handed to the writer process at once."""
-
+"""Scorers yield the CPU to this process (its sampling and its writer thread), which the
+search waits on when the cores are fewer than the processes (a stored trial costs about as
+much CPU to write as to score)."""
 _objective: Objective | None = None
 """A scoring worker's objective (its plans cached for the whole search)."""
 
@@ -301,6 +316,7 @@ _objective: Objective | None = None
 def _start_scorer(problem, multi_objective: bool) -> None:
     global _objective
     os.nice(SCORER_NICENESS)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the searching process's to handle
     _objective = Objective(problem, multi_objective)
 
 

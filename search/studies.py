@@ -1,13 +1,15 @@
 """Opening a (stored) Optuna study, and recovering the trials a killed process left running.
 
-A stored study's running trials beat every `HEARTBEAT_S`. A trial whose process was killed
-is failed by the next search on the study and scored again in that process, then added to
-the study finished in one write: never re-enqueued as a waiting trial, which two processes
+A hexiseq search writes only finished trials (`search.sampling`); a process sampling on the
+storage the Optuna way (`study.optimize` on it, an older hexiseq) leaves its trial running when
+killed. A stored study's running trials beat every `HEARTBEAT_S`. A trial whose process was
+killed is failed by the next search on the study and scored again in that process, then added
+to the study finished in one write: never re-enqueued as a waiting trial, which two processes
 sharing a SQLite study could both take (SQLite cannot lock the row), nor run as a trial a
-second kill could leave behind. Optuna fails a trial whose last beat is older than
-`GRACE_S`; a trial killed before its first beat (between `ask` and the heartbeat thread's
-first write) Optuna never fails, so `recover_killed_trials` also fails a running trial with
-no beat that started more than `GRACE_S` ago.
+second kill could leave behind. Optuna fails a trial whose last beat is older than `GRACE_S`; a
+trial killed before its first beat (between `ask` and the heartbeat thread's first write)
+Optuna never fails, so `recover_killed_trials` also fails a running trial with no beat that
+started more than `GRACE_S` ago.
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ meets under its own name: `hexiseq-<launch id>-<launch number>`.
   (`supervise.Watcher`), and every rank takes the new plan over in place, reading it and the
   checkpoint from the shared folder: no launch ends.
 - **A lost device**: its node's launch ends with it lost, the others' with their peers' errors
-  (`PeerWatch` stops a node's ranks as soon as another node's launch ended in error, or
-  another node's supervisor stopped beating: on NCCL they would first wait out a collective's
-  timeout).
+  (`hexiseq.cli.peer_watch` stops a node's ranks as soon as another node's launch ended in
+  error, or another node's supervisor stopped beating: on NCCL they would first wait out a
+  collective's timeout).
   Every supervisor then writes how its launch ended into the launch's folder
   (`ended-<node>.json`: exit code and lost ranks). Node 0 waits for every node's (a node that
   never reports within `REPORT_TIMEOUT_S` lost all its devices: its machine is gone), plans on
@@ -31,14 +31,13 @@ import argparse
 import functools
 import itertools
 import sys
-import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hexiseq import supervision
+from hexiseq.cli.peer_watch import PeerWatch
 from hexiseq.cli.supervise import (
     MAX_LAUNCHES,
     POLL_S,
@@ -75,12 +74,6 @@ gloo notices a closed socket at once)."""
 LAUNCH_FILE = "launch.json"
 """Node 0's launch id, flags and start in the run folder: every node's ranks and rendezvous
 use the id, every node must have the same flags."""
-BEAT_S = 2.0
-"""How often a node's supervisor beats while its launch runs."""
-PEER_POLL_S = 0.5
-"""How often a node reads the other nodes' beats and reports while its launch runs."""
-SILENT_S = REPORT_TIMEOUT_S
-"""A node whose supervisor beat and then stopped for this long is gone with its machine."""
 
 
 @dataclass
@@ -160,78 +153,6 @@ class NodeRun:
         self.plan_path = Path(decision["plan"])
         self.plan = Plan.from_json(self.plan_path)
         self.fleet.renumber({int(old): int(new) for old, new in decision["rank_map"].items()})
-
-
-@dataclass
-class PeerWatch:
-    """While this node's launch runs (a thread): beats for the other nodes, and stops this
-    node's ranks once another node's launch ended in error or another node's supervisor,
-    having beaten, stopped for `SILENT_S` (its machine is gone). Its ranks would otherwise
-    wait on their lost peers until a collective's timeout (10 minutes on NCCL; gloo sees a
-    closed socket at once, but not a machine that vanished)."""
-
-    exchange: Path
-    index: int
-    nodes: int
-    stop_ranks: Callable[[], int]
-    """Stops this node's ranks; how many it stopped (none yet: they start after the others
-    meet)."""
-    clock: Callable[[], float] = time.monotonic
-    beats: int = 0
-    heard: dict[int, tuple[int, float]] = field(default_factory=dict)
-    """Per other node: its last beat and when this node first saw it."""
-    stopped: str | None = None
-    """Why this node's ranks were stopped (None: they were not)."""
-    _done: threading.Event = field(default_factory=threading.Event)
-
-    def start(self) -> threading.Thread:
-        thread = threading.Thread(target=self._run, name="hexiseq-peer-watch", daemon=True)
-        thread.start()
-        return thread
-
-    def stop(self, thread: threading.Thread) -> None:
-        self._done.set()
-        thread.join()
-
-    def _run(self) -> None:
-        next_beat = self.clock()
-        while not self._done.is_set():
-            if self.clock() >= next_beat:
-                self.beat()
-                next_beat = self.clock() + BEAT_S
-            self.check()
-            self._done.wait(PEER_POLL_S)
-
-    def beat(self) -> None:
-        self.beats += 1
-        supervision.write_json(supervision.beat_path(self.exchange, self.index), self.beats)
-
-    def check(self) -> None:
-        """Stop this node's ranks when another node's launch ended in error or went silent."""
-        if self.stopped is not None:
-            return
-        why = self.reason()
-        if why is not None and self.stop_ranks() > 0:
-            self.stopped = why
-            print(f"hexiseq run: node {self.index} stops its ranks: {why}", flush=True)
-
-    def reason(self) -> str | None:
-        """Why this node's ranks should stop now (None: they should not)."""
-        now = self.clock()
-        for node in range(self.nodes):
-            if node == self.index:
-                continue
-            ended = supervision.read_json(supervision.ended_path(self.exchange, node))
-            if ended is not None and ended.get("code") != 0:
-                return f"node {node}'s launch ended in error"
-            beat = supervision.read_json(supervision.beat_path(self.exchange, node))
-            if beat is None or ended is not None:
-                continue  # not started yet, or finished
-            if node not in self.heard or self.heard[node][0] != beat:
-                self.heard[node] = (beat, now)
-            elif now - self.heard[node][1] > SILENT_S:
-                return f"node {node}'s supervisor has been silent for {SILENT_S:.0f} s"
-        return None
 
 
 def supervise_nodes(args: argparse.Namespace, plan: Plan, environment: dict[str, str]) -> int:
@@ -510,7 +431,7 @@ def _earlier_run(folder: Path) -> str | None:
 def _other_flags(folder: Path, flags: list[str]) -> str | None:
     """Which flags this node was given otherwise than node 0 (None: all alike)."""
     theirs = (supervision.read_json(folder / LAUNCH_FILE) or {}).get("flags", [])
-    if theirs == flags:
+    if sorted(theirs) == sorted(flags):  # faults may be given in any order
         return None
     node0 = " ".join(flag for flag in theirs if flag not in flags) or "(none)"
     mine = " ".join(flag for flag in flags if flag not in theirs) or "(none)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from distributed import free_port
 from supervised_cases import LOSS_RTOL, STEPS, THRESHOLD, write_plan
 
 from hexiseq import Plan, plan_search, supervision
-from hexiseq.cli import supervise_nodes
+from hexiseq.cli import peer_watch, supervise_nodes
 from hexiseq.cli.supervise_nodes import NodeRun, shared_run_folder
 from hexiseq.errors import InputError
 from hexiseq.store import Store
@@ -242,8 +243,6 @@ def _follower_args(plan_path: Path, folder: Path, *flags: str):
 
 def _node_0_started(plan_path: Path, folder: Path, *flags: str, written_at: float | None = None):
     """The run folder as node 0 leaves it when it starts with `flags`."""
-    import time
-
     folder.mkdir(exist_ok=True)
     node_0 = _follower_args(plan_path, folder, *flags)
     launch = {
@@ -300,7 +299,7 @@ class _Clock:
 
 def test_a_node_stops_its_ranks_when_another_nodes_launch_failed(tmp_path):
     stops = []
-    watch = supervise_nodes.PeerWatch(tmp_path, 0, 3, lambda: stops.append(1) or 2)
+    watch = peer_watch.PeerWatch(tmp_path, 0, 3, lambda: stops.append(1) or 2)
     supervision.write_json(supervision.ended_path(tmp_path, 1), {"code": 0, "lost": []})
     watch.check()
     assert not stops and watch.stopped is None  # node 1 finished: nothing to stop
@@ -317,21 +316,39 @@ def test_a_node_stops_its_ranks_when_another_node_goes_silent(tmp_path, monkeypa
     clock = _Clock()
     stopped = []
     ranks = [0]  # none yet: they start once every node has met
-    watch = supervise_nodes.PeerWatch(tmp_path, 0, 3, lambda: stopped.append(ranks[0]) or ranks[0],
+    watch = peer_watch.PeerWatch(tmp_path, 0, 3, lambda: stopped.append(ranks[0]) or ranks[0],
                                       clock)  # fmt: skip
     for beat in range(1, 4):
         supervision.write_json(supervision.beat_path(tmp_path, 1), beat)
-        clock.now += supervise_nodes.BEAT_S
+        clock.now += peer_watch.BEAT_S
         watch.check()
     assert watch.stopped is None and not stopped
-    clock.now += supervise_nodes.SILENT_S + 1
+    clock.now += peer_watch.SILENT_S + 1
     watch.check()
     assert stopped == [0] and watch.stopped is None  # no rank to stop yet: it tries again
     ranks[0] = 2
     watch.check()
-    assert watch.stopped == "node 1's supervisor has been silent for 60 s"
+    assert watch.stopped == "node 1's supervisor has been silent for 180 s"
     watch.beat()
     assert supervision.read_json(supervision.beat_path(tmp_path, 0)) == 1
+
+
+def test_a_watch_lives_on_when_the_shared_folder_fails(tmp_path, monkeypatch, capsys):
+    """A beat file that cannot be read (an NFS hiccup, a torn file) is said and tried again:
+    the watch must not die, or the other nodes would take this node for gone."""
+    monkeypatch.setattr(peer_watch, "BEAT_S", 0.0)
+    monkeypatch.setattr(peer_watch, "PEER_POLL_S", 0.01)
+    supervision.beat_path(tmp_path, 1).write_text("{not json")
+    watch = peer_watch.PeerWatch(tmp_path, 0, 2, lambda: 0)
+    thread = watch.start()
+    try:
+        deadline = time.monotonic() + 10
+        while watch.beats < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        watch.stop(thread)
+    assert watch.beats >= 5 and watch.stopped is None
+    assert "could not read or write its beat (JSONDecodeError" in capsys.readouterr().err
 
 
 def test_stop_ranks_signals_this_process_s_ranks_only(tmp_path):

@@ -62,15 +62,41 @@ def test_the_mirror_takes_in_what_other_processes_finished_but_not_its_own(tmp_p
 
 
 @pytest.mark.parametrize("stored", [True, False], ids=["stored", "in-memory"])
-def test_workers_score_exactly_the_trials_asked(tmp_path, stored):
+def test_workers_score_exactly_the_trials_asked(tmp_path, stored, monkeypatch):
+    sampled = []
+    with_workers = sampling._sample_with_workers
+
+    def keeping_the_study(study, *args):
+        sampled.append(study)  # the mirror, or the study in memory
+        return with_workers(study, *args)
+
+    monkeypatch.setattr(sampling, "_sample_with_workers", keeping_the_study)
     url = f"sqlite:///{tmp_path / 'study.db'}" if stored else None
     result = plan_search(*CASE, n_trials=16, workers=2, seed=3, storage=url)
     assert isinstance(result.best, Plan)
-    assert len(_sampled(result)) >= 16  # 16 study trials, then the polish's
+    (study,) = sampled
     if stored:
         study = optuna.load_study(study_name=result.study_name, storage=url)
-        assert len(study.trials) == 16
-        assert {t.state for t in study.trials} == {optuna.trial.TrialState.COMPLETE}
+    assert len(study.trials) == 16  # the short list, then the trials sampled: exactly
+    assert {t.state for t in study.trials} == {optuna.trial.TrialState.COMPLETE}
+
+
+def test_a_write_failing_with_workers_is_one_store_error(tmp_path, monkeypatch):
+    """The writer thread's failure surfaces at the next trial as the storage's one line."""
+    from sqlalchemy.exc import OperationalError
+
+    from hexiseq.errors import StoreError
+
+    url = f"sqlite:///{tmp_path / 'study.db'}"
+    plan_search(*CASE, n_trials=4, storage=url, study_name="s")
+
+    def refused(*_args, **_kwargs):
+        raise OperationalError("INSERT", {}, Exception("disk I/O error"))
+
+    monkeypatch.setattr(optuna.storages.RDBStorage, "_create_new_trial", refused)
+    with pytest.raises(StoreError) as caught:
+        plan_search(*CASE, n_trials=12, storage=url, study_name="s", workers=2)
+    assert "disk I/O error" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_a_choice_is_scored_once_however_often_it_is_sampled(monkeypatch):

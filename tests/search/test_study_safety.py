@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy.exc import OperationalError
 
 from hexiseq.errors import InputError, StoreError
-from hexiseq.search import plan_search, studies
+from hexiseq.search import plan_search, sampling, studies
 
 CHILD = textwrap.dedent(
     """
@@ -29,8 +29,8 @@ CHILD = textwrap.dedent(
     studies.HEARTBEAT_S, studies.GRACE_S = 1, 2
     original = objective.Objective.__call__
 
-    def stuck_after_four(self, trial):
-        if trial.number >= 4:  # this trial chooses, then runs until killed
+    def stuck_after_six(self, trial):
+        if trial.number >= 6:  # this trial chooses, then runs until killed
             self.sample(trial)
             print("stuck", flush=True)
             time.sleep(600)
@@ -39,7 +39,7 @@ CHILD = textwrap.dedent(
     def optuna_on_the_storage(study, objective, options, count, budget_s):
         study.optimize(objective, n_trials=count)  # Optuna's own way: trials run stored
 
-    objective.Objective.__call__ = stuck_after_four
+    objective.Objective.__call__ = stuck_after_six
     if sys.argv[2] == "optuna":
         optuna_layer.sample = optuna_on_the_storage
     from hexiseq import plan_search
@@ -50,7 +50,8 @@ CHILD = textwrap.dedent(
 
 
 def _killed_while_stuck(url: str, sampling: str) -> None:
-    """The CHILD search (`sampling`: "hexiseq" or "optuna"), killed in its fifth trial."""
+    """The CHILD search (`sampling`: "hexiseq" or "optuna"), killed in its seventh trial (the
+    short list is its first four)."""
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, url, sampling], stdout=subprocess.PIPE, text=True
     )
@@ -66,11 +67,13 @@ def test_a_killed_search_keeps_the_trials_it_finished_and_leaves_none_running(tm
     url = f"sqlite:///{tmp_path / 'study.db'}"
     _killed_while_stuck(url, "hexiseq")
     study = optuna.load_study(study_name="killed", storage=url)
-    assert [t.number for t in study.trials] == [0, 1, 2, 3]  # trial 4 was never written
+    assert [t.number for t in study.trials] == [0, 1, 2, 3, 4, 5]  # trial 6 was never written
     assert {t.state for t in study.trials} == {optuna.trial.TrialState.COMPLETE}
+    sampled = [t.system_attrs.get(sampling.WRITER_ATTR) for t in study.trials[4:]]
+    assert None not in sampled  # 4 and 5 were sampled, then written by the mirror
     plan_search("cpu-emulated-2type", "tiny", 8192, n_trials=3, storage=url, study_name="killed")
     study = optuna.load_study(study_name="killed", storage=url)
-    assert len(study.trials) == 7
+    assert len(study.trials) == 9
     assert {t.state for t in study.trials} == {optuna.trial.TrialState.COMPLETE}
 
 
