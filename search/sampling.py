@@ -166,12 +166,12 @@ def _ask_and_tell(
     asked = 0
     while True:
         while queue.busy < workers and _more(asked, count, deadline):
-            queue.ask()
+            queue.ask()  # told at once when its choice was scored already
             asked += 1
+        bar.show(queue.told)
         if not queue.busy:
             return
         queue.tell_finished()
-        bar.show(queue.told)
 
 
 def _more(asked: int, count: int | None, deadline: float | None) -> bool:

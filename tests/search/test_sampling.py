@@ -117,3 +117,41 @@ def test_a_choice_is_scored_once_however_often_it_is_sampled(monkeypatch):
     assert len(sent) == len(set(sent))
     assert len(distinct) < len(study_trials)  # the case repeats choices: the test has teeth
     assert set(sent) <= distinct
+
+
+class _Queue:
+    """Trials 0..count-1: 0 and 2 wait for a worker; 1 and every one from 3 on repeat a
+    choice scored already, so ask() tells them at once, the last ones with no worker busy."""
+
+    def __init__(self) -> None:
+        self.asked, self.told, self.running = 0, 0, 0
+
+    @property
+    def busy(self) -> int:
+        return self.running
+
+    def ask(self) -> None:
+        if self.asked not in (0, 2):
+            self.told += 1
+        else:
+            self.running += 1
+        self.asked += 1
+
+    def tell_finished(self) -> None:
+        self.told += self.running
+        self.running = 0
+
+
+class _Bar:
+    def __init__(self) -> None:
+        self.shown = []
+
+    def show(self, told: int) -> None:
+        self.shown.append(told)
+
+
+def test_the_bar_ends_at_the_count_when_the_last_trial_was_told_at_once():
+    queue, bar = _Queue(), _Bar()
+    sampling._ask_and_tell(queue, 2, 7, None, bar)
+    assert queue.asked == queue.told == 7
+    assert bar.shown[-1] == 7
