@@ -309,7 +309,7 @@ def stale_trials(d: Path, rng: random.Random) -> Tally:
     tally = Tally()
     url = f"sqlite:///{d / 'stale.db'}"
     kept = 0
-    for kill in range(3):
+    for _ in range(3):
         job = _start(SEARCH, url, "400")
         query = f"SELECT COUNT(*) > {kept + 4} FROM trials"  # a few trials past the last kill
         _wait_for(d / "stale.db", query, 120)
