@@ -17,11 +17,13 @@ from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from alembic.operations import Operations
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
 from sqlalchemy import Connection
+
+if TYPE_CHECKING:  # Alembic is imported where a store is opened, not with hexiseq.store
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
 
 __all__ = ["VERSION_TABLE", "current_revision", "head_revision", "upgrade_to_head"]
 
@@ -34,10 +36,14 @@ _VERSIONS = Path(__file__).with_name("versions")
 @cache
 def _scripts() -> ScriptDirectory:
     """The revisions (each file read once per process)."""
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory(Path(__file__).parent, version_locations=[_VERSIONS])
 
 
 def _context(connection: Connection) -> MigrationContext:
+    from alembic.runtime.migration import MigrationContext
+
     return MigrationContext.configure(connection, opts={"version_table": VERSION_TABLE})
 
 
@@ -62,6 +68,8 @@ def upgrade_to_head(connection: Connection) -> list[str]:
     """Apply, in order and in the caller's transaction, every revision after the store's own
     (all of them for a new store or one from before migrations: the first creates only the
     tables missing), record the head, and return the revisions applied."""
+    from alembic.operations import Operations
+
     scripts = _scripts()
     context = _context(connection)
     current = context.get_current_revision()
