@@ -110,6 +110,10 @@ class _Mirror:
         """Optuna's callback: the trial just finished in the mirror, written to the stored
         study in one write; now and then, what other processes finished taken in."""
         self.stored.add_trial(self.written(trial))
+        self.take_in_when_due()
+
+    def take_in_when_due(self) -> None:
+        """`take_in`, once `SYNC_S` has passed since the last look."""
         if time.monotonic() - self.synced_at > SYNC_S:
             self.take_in()
 
@@ -206,8 +210,7 @@ class _Writer:
         self.writes.append(
             self.pool.submit(self.mirror.stored.add_trial, self.mirror.written(trial))
         )
-        if time.monotonic() - self.mirror.synced_at > SYNC_S:
-            self.mirror.take_in()
+        self.mirror.take_in_when_due()
 
     def _raise_failed(self) -> None:
         """The first failed write's exception, once it is known; written ones are let go."""

@@ -380,7 +380,8 @@ def shared_run_folder(args: argparse.Namespace, plan: Plan) -> Path:
             f"--run-dir {folder}: node 0 runs another plan ({first}); give every node the same "
             "plan file and a run folder of its own run"
         )
-    problem = _earlier_run(folder) or _other_flags(folder, shared_flags(args))
+    started = supervision.read_json(folder / LAUNCH_FILE) or {}
+    problem = _earlier_run(folder, started) or _other_flags(started, shared_flags(args))
     if problem is not None:
         raise InputError(f"--run-dir {folder}: {problem}")
     return folder
@@ -401,16 +402,17 @@ def shared_flags(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _earlier_run(folder: Path) -> str | None:
+def _earlier_run(folder: Path, started: dict) -> str | None:
     """Why the run folder is an earlier run's, not the one node 0 starts now (None: it is
-    this run's): its steps, launch reports or checkpoints, or a start older than a rendezvous
-    waits (node 0 itself refuses a folder that is not empty)."""
+    this run's): its steps, launch reports or checkpoints, or a start (`started`: node 0's
+    `LAUNCH_FILE`) older than a rendezvous waits (node 0 itself refuses a folder that is not
+    empty)."""
     from hexiseq.runtime.launcher import RENDEZVOUS_TIMEOUT_S
 
     launches = supervision.launch_folders(folder)
     reports = [p for launch in launches for p in launch.glob("end*.json")]
     checkpoints = folder / "checkpoints"
-    started = (supervision.read_json(folder / LAUNCH_FILE) or {}).get("written_at")
+    written_at = started.get("written_at")
     if (
         supervision.read_steps(folder)
         or reports
@@ -420,7 +422,8 @@ def _earlier_run(folder: Path) -> str | None:
             "it holds an earlier run's steps, reports or checkpoints; give every node a new or "
             "empty folder (node 0 makes the run's files)"
         )
-    if not isinstance(started, (int, float)) or time.time() - started > RENDEZVOUS_TIMEOUT_S:
+    stale = not isinstance(written_at, (int, float))
+    if stale or time.time() - written_at > RENDEZVOUS_TIMEOUT_S:
         return (
             f"node 0 started this run more than {RENDEZVOUS_TIMEOUT_S} s ago (an earlier "
             "run's folder?); give every node a new or empty folder and start them together"
@@ -428,9 +431,10 @@ def _earlier_run(folder: Path) -> str | None:
     return None
 
 
-def _other_flags(folder: Path, flags: list[str]) -> str | None:
-    """Which flags this node was given otherwise than node 0 (None: all alike)."""
-    theirs = (supervision.read_json(folder / LAUNCH_FILE) or {}).get("flags", [])
+def _other_flags(started: dict, flags: list[str]) -> str | None:
+    """Which flags this node was given otherwise than node 0, whose start (`LAUNCH_FILE`)
+    holds its own (None: all alike)."""
+    theirs = started.get("flags", [])
     if sorted(theirs) == sorted(flags):  # faults may be given in any order
         return None
     node0 = " ".join(flag for flag in theirs if flag not in flags) or "(none)"
