@@ -15,6 +15,7 @@ headroom and returns the Pareto front.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -36,7 +37,7 @@ from hexiseq.search.objective import (
 from hexiseq.search.options import SearchOptions
 from hexiseq.search.polish import POLISH_STARTS, polish, polish_evaluations
 from hexiseq.search.sampling import sample
-from hexiseq.search.shortlist import shortlist
+from hexiseq.search.shortlist import hopeless, shortlist
 from hexiseq.search.studies import create_study, recover_killed_trials, study_storage_errors
 
 
@@ -142,14 +143,23 @@ def _best_feasible(study, count: int) -> list:
 
 def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
     """The screened short list, the greedy default first, at most `limit` trials (a trial
-    count is exact). Each is scored here and added to the study finished, in one write: never
-    a waiting trial that two processes sharing the study could both take (SQLite cannot lock
-    it), nor a running one a kill could leave behind. Returns how many trials it added."""
+    count is exact), less the candidates `hopeless` beside a plan scored before them. Each
+    is scored here and added to the study finished, in one write: never a waiting trial that
+    two processes sharing the study could both take (SQLite cannot lock it), nor a running
+    one a kill could leave behind. Returns how many trials it added."""
     quantum = objective.quanta[len(objective.quanta) // 2]
-    candidates = shortlist(objective.problem, objective.quanta)[:limit]
-    for choices in candidates:
+    best_step_s, added = math.inf, 0
+    for choices in shortlist(objective.problem, objective.quanta)[:limit]:
+        if added and hopeless(objective.problem, choices, best_step_s):
+            continue
         study.add_trial(objective.scored_trial(params_of(choices, quantum)))
-    return len(candidates)
+        best_step_s = min(best_step_s, _step_s(objective.plan(choices)))
+        added += 1
+    return added
+
+
+def _step_s(plan: Plan | InfeasiblePlan) -> float:
+    return plan.predicted.step_time_s if isinstance(plan, Plan) else math.inf
 
 
 def _outcome(

@@ -10,7 +10,9 @@ low HP degrees) and prices each group by its rates at even loads (it can also be
 pessimistic: HP degree 1 of tiny-7h on A100s), so it ranks candidates but never rules one
 out by itself. Leaving out the short list's candidates whose estimate lost to a plan already
 scored was tried: it cost one plan_quality cluster 16 % (a left-out candidate was a start
-the polish needed), so every candidate is scored.
+the polish needed). Only a candidate estimated more than HOPELESS_RATIO times slower than a
+plan already scored is left out (`hopeless`): on 1024 GPUs the low HP degrees the descent
+tries run 6-7x slower than the best, and each costs a simulation of up to 1024 ring steps.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ SCREEN_KEEP = 3
 SCREEN_KEEP_DEVICES = 768
 """Screened candidates evaluated in full besides the greedy picks (`screen_keep`)."""
 SCREEN_SWEEPS = 2
+HOPELESS_RATIO = 2.0
+"""A candidate whose estimate is over HOPELESS_RATIO x a scored step time is not scored: the
+estimate is at most about 30 % pessimistic (above), so it runs at least 1.5x slower."""
 SCREEN_ALL_DEGREES = 8
 SCREEN_ALL_DEGREES_UP_TO = 32
 """Clusters up to this many devices screen every HP degree; larger ones the powers of two and
@@ -62,6 +67,12 @@ def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
     finite = [c for c in others if math.isfinite(estimate_s(problem, c))]
     infinite = [c for c in others if not math.isfinite(estimate_s(problem, c))]
     return [default, *sorted(finite, key=lambda c: tie_key(estimate_s(problem, c))), *infinite[:1]]
+
+
+def hopeless(problem: Problem, choices: GlobalChoices, best_step_s: float) -> bool:
+    """Whether `choices` is estimated over HOPELESS_RATIO x slower than `best_step_s`, the
+    fastest step time already scored (math.inf: none yet)."""
+    return estimate_s(problem, choices) > HOPELESS_RATIO * best_step_s
 
 
 def _descended(problem: Problem, starts: list[GlobalChoices]) -> list[GlobalChoices]:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import math
 
-from hexiseq import Cluster, ModelSpec, Plan, TrainSpec
+import hexiseq.search.optuna_layer as optuna_layer
+import hexiseq.search.shortlist as shortlist_module
+from hexiseq import Cluster, ModelSpec, Plan, TrainSpec, plan_search
 from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.screen import estimate_s
-from hexiseq.search.shortlist import screen_degrees, shortlist
+from hexiseq.search.shortlist import HOPELESS_RATIO, screen_degrees, shortlist
 
 
 def paper_problem(seq_len: int = 256 * 1024) -> Problem:
@@ -71,3 +73,42 @@ def test_screen_degrees_cover_small_nodes_fully_and_large_ones_by_powers_of_two(
         wide, ModelSpec.preset("llama3-8b"), TrainSpec(seq_len=65536), DatasheetCostModel()
     )
     assert screen_degrees(problem, "cpu") == [1, 2, 4, 8, 16]
+
+
+def test_hopeless_short_list_candidates_are_left_out_without_changing_the_plan(monkeypatch):
+    """512 GPUs: the descent's low HP degrees run many times slower than the best plan;
+    those estimated over HOPELESS_RATIO x a scored step are not scored, and scoring them
+    anyway finds the same plan."""
+    nodes = [
+        {"name": f"n{i}", "gpu": ("H100-SXM", "A100-80G")[i % 2], "count": 8} for i in range(64)
+    ]
+    network = {"inter_node_GBps": 50}
+    cluster = Cluster.from_dict({"name": "big", "nodes": nodes, "network": network})
+    listed, left_out = [], []
+    real_shortlist, real_hopeless = optuna_layer.shortlist, optuna_layer.hopeless
+
+    def recording_shortlist(problem, quanta):
+        listed[:] = real_shortlist(problem, quanta)
+        return listed
+
+    def recording_hopeless(problem, choices, best_step_s):
+        verdict = real_hopeless(problem, choices, best_step_s)
+        if verdict:
+            left_out.append(estimate_s(problem, choices) / best_step_s)
+        return verdict
+
+    monkeypatch.setattr(optuna_layer, "shortlist", recording_shortlist)
+    monkeypatch.setattr(optuna_layer, "hopeless", recording_hopeless)
+    pruned = plan_search(cluster, "llama3-8b", "1M")
+    assert left_out and all(ratio > HOPELESS_RATIO for ratio in left_out)
+    assert searched(pruned) == len(listed) - len(left_out)
+    monkeypatch.setattr(shortlist_module, "HOPELESS_RATIO", math.inf)
+    everything = plan_search(cluster, "llama3-8b", "1M")
+    assert searched(everything) == len(listed)
+    assert everything.best.predicted.tokens_per_s == pruned.best.predicted.tokens_per_s
+    assert everything.best.knobs == pruned.best.knobs
+
+
+def searched(result) -> int:
+    """The trials a search scored (the baselines it reports beside them left out)."""
+    return sum(1 for trial in result.trials if trial.name == "hexiseq")
