@@ -68,15 +68,28 @@ def _runs_by_group(
     return padded_lengths, padded_positions
 
 
-def rows_by_step(by_group: np.ndarray) -> np.ndarray:
-    """[g, s] = by_group[g, (g - s) % G]: what group g sees at ring step s, for a [query group,
-    key group] matrix. A strided view of the row-doubled, column-reversed matrix, copied."""
+def steps_by_column(by_group: np.ndarray) -> np.ndarray:
+    """[s, g] = by_group[g, (g - s) % G]: what group g sees at ring step s, for a [query group,
+    key group] matrix, step-major (each ring step reads one row). A strided view of the
+    column-doubled matrix, copied once."""
     count = by_group.shape[0]
-    reversed_rows = np.concatenate([by_group, by_group], axis=1)[:, ::-1]
-    # reversed_rows[g, k] = by_group[g, (2G - 1 - k) % G]; k = G - 1 - g + s gives (g - s) % G.
-    start = reversed_rows[:, count - 1 :]
-    row_stride, column_stride = start.strides
+    doubled = np.concatenate([by_group, by_group], axis=1)
+    # doubled[g, G + g - s] = by_group[g, (g - s) % G]: from doubled[0, G], a step goes one
+    # column back and a group one row and one column on.
+    row_stride, column_stride = doubled.strides
+    start = doubled[:, count:]
     view = as_strided(
-        start, shape=(count, count), strides=(row_stride - column_stride, column_stride)
+        start, shape=(count, count), strides=(-column_stride, row_stride + column_stride)
     )
     return view.copy()
+
+
+def steps_of_sequence(values: np.ndarray) -> np.ndarray:
+    """[s, g] = values[(g - s) % G] (what group g holds at ring step s of a per-group
+    [G] quantity) as a read-only strided view, without copying."""
+    count = len(values)
+    doubled = np.concatenate([values, values])
+    (stride,) = doubled.strides
+    view = as_strided(doubled[count:], shape=(count, count), strides=(-stride, stride))
+    view.flags.writeable = False
+    return view

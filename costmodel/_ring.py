@@ -9,7 +9,9 @@ partials of its group are folded in, goes keeper to keeper, and after the last s
 more hop, back to the group that owns the block.
 
 The steps depend on each other, so they run in order, but every step is computed for all ranks
-at once from [step, rank] tables that are built once per plan (`build_ring_tables`).
+at once from [step, rank] tables that are built once per plan (`build_ring_tables`), step-major
+from the start: on 1024 groups a table is a million entries, and a transposed copy of one
+costs as much as computing it.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hexiseq.costmodel._pairs import causal_pair_matrix, rows_by_step
-from hexiseq.costmodel._state import Ledger, SimContext, per_gpu_type
+from hexiseq.costmodel._pairs import causal_pair_matrix, steps_by_column, steps_of_sequence
+from hexiseq.costmodel._state import Ledger, SimContext, per_gpu_type_by_step
 from hexiseq.costmodel._traffic import (
     FP32,
     FoldLinks,
@@ -52,25 +54,24 @@ class RingTables:
 def build_ring_tables(context: SimContext) -> RingTables:
     """Compute and transfer time of every rank at every ring step of `context`'s layout."""
     group_count = len(context.layout.groups)
-    pairs = rows_by_step(causal_pair_matrix(context.layout, context.group_of))
+    pairs = steps_by_column(causal_pair_matrix(context.layout, context.group_of))
     shapes = _block_shapes(context, pairs)
-    forward_s = _step_major(_attention_times(context, pairs, shapes, backward=False))
-    backward_s = _step_major(_attention_times(context, pairs, shapes, backward=True))
+    forward_s = _attention_times(context, pairs, shapes, backward=False)
+    backward_s = _attention_times(context, pairs, shapes, backward=True)
     if group_count == 1:
         nothing = np.zeros_like(forward_s)
         return RingTables(None, forward_s, backward_s, nothing, nothing)
     senders = context.structural("ring senders", ring_senders)
     dkv_senders = context.structural("dK/dV ring senders", dkv_ring_senders)
-    lengths = np.broadcast_to(context.segment_lengths, (group_count, group_count))
-    block_tokens = rows_by_step(lengths)  # [group, step] tokens of the block in hand
+    block_tokens = steps_of_sequence(context.segment_lengths)  # [step, group] block in hand
     element = context.train.compute_dtype_bytes
     folds = context.structural("fold links", fold_links)
     return RingTables(
         senders,
         forward_s,
         backward_s,
-        _step_major(_transfer_times(context, senders, block_tokens, element)),
-        _step_major(_transfer_times(context, dkv_senders, block_tokens, FP32)),
+        _transfer_times(context, senders, block_tokens, element),
+        _transfer_times(context, dkv_senders, block_tokens, FP32),
         dkv_senders,
         folds,
         _fold_times(context, folds, block_tokens),
@@ -135,16 +136,16 @@ def _fold_times(context: SimContext, folds: FoldLinks, block_tokens: np.ndarray)
     """[step, fold link] time to hand the keeper the shared heads' FP32 partials of the block
     the group holds at that step, over the link between the two ranks."""
     if not len(folds.keepers):
-        return np.zeros((block_tokens.shape[1], 0))
-    tokens = block_tokens[context.group_of[folds.keepers]]  # [link, step]
-    bytes_moved = folds.heads[:, None] * tokens * 2 * context.model.head_dim * FP32
+        return np.zeros((block_tokens.shape[0], 0))
+    tokens = np.take(block_tokens, context.group_of[folds.keepers], axis=1)  # [step, link]
+    bytes_moved = folds.heads[None, :] * tokens * 2 * context.model.head_dim * FP32
     link_nodes = context.node_of[folds.folders], context.node_of[folds.keepers]
     seconds = context.cost.transfer_time_s(
         bytes_moved,
-        context.bandwidth_GBps[link_nodes][:, None],
-        context.latency_s[link_nodes][:, None],
+        context.bandwidth_GBps[link_nodes][None, :],
+        context.latency_s[link_nodes][None, :],
     )
-    return np.ascontiguousarray(np.asarray(seconds, dtype=float).T)
+    return np.asarray(seconds, dtype=float)
 
 
 def _attention_times(
@@ -154,72 +155,61 @@ def _attention_times(
     *,
     backward: bool,
 ) -> np.ndarray:
-    """[rank, step] attention time: the rank's heads over the (query, key) pairs
-    `pairs[group, step]` of its group, in one block of `shapes` = (query, key tokens)."""
+    """[step, rank] attention time: the rank's heads over the (query, key) pairs
+    `pairs[step, group]` of its group, in one block of `shapes` = (query, key tokens)."""
     cost, head_dim = context.cost, context.model.head_dim
     q_tokens, kv_tokens = shapes
 
     def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
         groups = context.group_of[ranks]
-        rank_pairs = pairs[groups]
-        heads = context.heads[ranks, None]
+        rank_pairs = np.take(pairs, groups, axis=1)
         return cost.attention_time_s(
             gpu,
             rank_pairs,
-            heads,
+            context.heads[None, ranks],
             head_dim,
             backward=backward,
-            q_tokens=q_tokens[groups],
-            kv_tokens=kv_tokens[groups],
+            q_tokens=np.broadcast_to(q_tokens[groups][None, :], rank_pairs.shape),
+            kv_tokens=np.take(kv_tokens, groups, axis=1),
             kernel=recipe_kernel(context, gpu),
         )
 
-    return per_gpu_type(context, seconds_of, trailing_shape=pairs.shape[1:])
+    return per_gpu_type_by_step(context, seconds_of, pairs.shape[0])
 
 
 def _block_shapes(context: SimContext, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """[group, step] query and key tokens of the one kernel call a ring step makes (the
-    runtime's tiles, `runtime/_tiles.py`, for zigzag layouts): at step 0 the group's own block
-    as a causal square (segment x segment, about half of it masked); at the other steps a
-    mask-free rectangle of `pairs` pairs, counted here as the group's queries x pairs / them."""
+    """[group] query tokens and [step, group] key tokens of the one kernel call a ring step
+    makes (the runtime's tiles, `runtime/_tiles.py`, for zigzag layouts): at step 0 the
+    group's own block as a causal square (segment x segment, about half of it masked); at the
+    other steps a mask-free rectangle of `pairs` pairs, counted here as the group's queries x
+    pairs / them."""
     segments = np.asarray(context.segment_lengths, dtype=np.float64)
-    q_tokens = np.broadcast_to(segments[:, None], pairs.shape).copy()
-    kv_tokens = pairs / np.maximum(q_tokens, 1.0)
-    kv_tokens[:, 0] = segments
+    q_tokens = segments
+    kv_tokens = pairs / np.maximum(q_tokens, 1.0)[None, :]
+    kv_tokens[0, :] = segments
     return q_tokens, kv_tokens
 
 
 def _transfer_times(
     context: SimContext, senders: RingSenders, block_tokens: np.ndarray, element_bytes: int
 ) -> np.ndarray:
-    """[rank, step] time to receive the block of `block_tokens[group, step]` tokens (K/V, or
+    """[step, rank] time to receive the block of `block_tokens[step, group]` tokens (K/V, or
     dK/dV in FP32): `kv_heads_in` heads while each sender sends all its outgoing heads;
     the slowest sender sets the time."""
     receivers = senders.receivers
-    per_head = block_tokens[context.group_of[receivers]] * 2 * context.model.head_dim
-    per_head *= element_bytes
     heads = np.maximum(senders.kv_heads_in[receivers], senders.heads_out[senders.senders])
+    bytes_per_token = heads * 2 * context.model.head_dim * element_bytes  # [link] (integers)
+    bytes_moved = np.take(block_tokens, context.group_of[receivers], axis=1)
+    bytes_moved *= bytes_per_token[None, :]
     link_nodes = context.node_of[senders.senders], context.node_of[receivers]
     seconds = context.cost.transfer_time_s(
-        heads[:, None] * per_head,
-        context.bandwidth_GBps[link_nodes][:, None],
-        context.latency_s[link_nodes][:, None],
-    )  # [link, step]
+        bytes_moved,
+        context.bandwidth_GBps[link_nodes][None, :],
+        context.latency_s[link_nodes][None, :],
+    )  # [step, link]
     if senders.one_per_rank:  # links are ranks already
         return seconds
-    return np.maximum.reduceat(seconds, senders.first_link, axis=0)
-
-
-def _step_major(table: np.ndarray) -> np.ndarray:
-    """[step, rank] contiguous copy of a [rank, step] table, so each ring step reads one row.
-
-    Transposed in bands of ranks: a plain transposed copy reads with a stride of a whole row
-    and is several times slower on 1024 x 1024 tables."""
-    band = 64
-    steps = np.empty(table.shape[::-1])
-    for first in range(0, table.shape[0], band):
-        steps[:, first : first + band] = table[first : first + band].T
-    return steps
+    return np.maximum.reduceat(seconds, senders.first_link, axis=1)
 
 
 def recipe_kernel(context: SimContext, gpu: str) -> str | None:

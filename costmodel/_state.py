@@ -70,6 +70,19 @@ class SimContext:
             self.shared[key] = compute(layout)
         return self.shared[key]
 
+    @property
+    def emulated(self) -> bool:
+        """Whether some rank runs slowed down (an emulated cluster)."""
+        return bool(np.any(self.slowdown != 1.0))
+
+    @property
+    def rank_in_model_order(self) -> np.ndarray:
+        """[rank] its column when the ranks are listed GPU model by model (`ranks_by_gpu`)."""
+        order = np.concatenate(list(self.ranks_by_gpu.values()))
+        position = np.empty_like(order)
+        position[order] = np.arange(len(order))
+        return position
+
     def group_max(self, values: np.ndarray) -> np.ndarray:
         """[group] largest of the [rank] `values` over each group's members."""
         return np.maximum.reduceat(values[self.rank_order], self.group_starts)
@@ -152,6 +165,32 @@ def per_gpu_type(
     seconds = np.empty((context.layout.world_size, *trailing_shape))
     for gpu, ranks in context.ranks_by_gpu.items():
         seconds[ranks] = seconds_of(gpu, ranks) * slowdown[ranks]
+    return seconds
+
+
+def per_gpu_type_by_step(
+    context: SimContext,
+    seconds_of: Callable[[str, np.ndarray | slice], np.ndarray],
+    steps: int,
+) -> np.ndarray:
+    """`per_gpu_type` of a [step, rank] table: `seconds_of(gpu, ranks)` returns [step,
+    ranks of that model]. The models' blocks are laid side by side and put in rank order
+    with one gather (writing them into the table column by column is several times slower)."""
+    if len(context.ranks_by_gpu) == 1:
+        (gpu,) = context.ranks_by_gpu
+        return _slowed(context, seconds_of(gpu, slice(None)))
+    by_model = np.empty((steps, context.layout.world_size))
+    first = 0
+    for gpu, ranks in context.ranks_by_gpu.items():
+        by_model[:, first : first + len(ranks)] = seconds_of(gpu, ranks)
+        first += len(ranks)
+    return _slowed(context, np.take(by_model, context.rank_in_model_order, axis=1))
+
+
+def _slowed(context: SimContext, seconds: np.ndarray) -> np.ndarray:
+    """[step, rank] `seconds` times each rank's emulation slowdown (none on real GPUs)."""
+    if context.emulated:
+        return seconds * context.slowdown[None, :]
     return seconds
 
 

@@ -158,7 +158,8 @@ class _RecordingCost(DatasheetCostModel):
         object.__setattr__(self, "calls", [])
 
     def attention_time_s(self, gpu, pairs, heads, head_dim, *, backward, **shape):
-        self.calls.append((pairs, shape["q_tokens"], shape["kv_tokens"]))
+        # the simulator's tables are [step, rank]: kept here [rank, step]
+        self.calls.append((pairs.T, shape["q_tokens"].T, shape["kv_tokens"].T))
         return super().attention_time_s(gpu, pairs, heads, head_dim, backward=backward)
 
 

@@ -19,7 +19,7 @@ from hexiseq import (
     build_zigzag_layout,
 )
 from hexiseq.costmodel import DatasheetCostModel, simulate_step
-from hexiseq.costmodel._pairs import causal_pair_matrix, rows_by_step
+from hexiseq.costmodel._pairs import causal_pair_matrix, steps_by_column, steps_of_sequence
 from hexiseq.costmodel._state import _layout_arrays
 from hexiseq.costmodel.datasheet import declared_link_parameters
 from hexiseq.layout import causal_pair_count
@@ -93,12 +93,15 @@ def test_causal_pair_matrix_rejects_overlapping_ranges():
         causal_pair_matrix(layout, np.array([0, 1]))
 
 
-def test_rows_by_step_reads_the_block_each_step_brings():
-    by_group = np.arange(25).reshape(5, 5)
-    rolled = rows_by_step(by_group)
-    for group in range(5):
-        for step in range(5):
-            assert rolled[group, step] == by_group[group, (group - step) % 5]
+def test_step_major_tables_read_the_block_each_step_brings():
+    for count in (1, 2, 5):
+        by_group = np.arange(count * count).reshape(count, count) * 3 + 1
+        per_group = np.arange(count) * 10 + 1
+        rolled, held = steps_by_column(by_group), steps_of_sequence(per_group)
+        for group in range(count):
+            for step in range(count):
+                assert rolled[step, group] == by_group[group, (group - step) % count]
+                assert held[step, group] == per_group[(group - step) % count]
 
 
 def test_link_matrices_match_the_cluster_links():
