@@ -318,20 +318,25 @@ def build_zigzag_layout(
     _check_segment_lengths(seq_len, segment_lengths, chunk_quantum)
     world_size = sum(len(members) for members in groups)
     check_groups(groups, world_size)
-    token_ranges: list[list[Range]] = [[] for _ in range(world_size)]
+    token_ranges: list[tuple[Range, Range]] = [((0, 0), (0, 0))] * world_size
     head_ranges: list[Range] = [(0, 0)] * world_size
     front_start, back_end = 0, seq_len
     for g, members in enumerate(groups):
         chunk = segment_lengths[g] // 2
         pieces = _chunk_pieces(g, chunk, len(members), token_weights[g], chunk_quantum)
-        for rank, front, back in zip(
-            members, _lay_out(front_start, pieces), _lay_out(back_end - chunk, pieces), strict=True
-        ):
-            token_ranges[rank] += [front, back]
-        for rank, heads in zip(members, _lay_out(0, head_counts[g]), strict=True):
-            head_ranges[rank] = heads
+        front, back, head = front_start, back_end - chunk, 0
+        for rank, piece, heads in zip(members, pieces, head_counts[g], strict=True):
+            token_ranges[rank] = ((front, front + piece), (back, back + piece))
+            head_ranges[rank] = (head, head + heads)
+            front, back, head = front + piece, back + piece, head + heads
         front_start, back_end = front_start + chunk, back_end - chunk
-    return _finish(seq_len, num_heads, num_kv_heads, groups, token_ranges, head_ranges)
+    # The arguments are checked above; what they build keeps every rule by construction:
+    # front pieces tile [0, S/2) and back pieces [S/2, S), each at least one quantum, a rank's
+    # front before its back, and each group's head counts (>= 1, summing to num_heads) tile
+    # the heads. So only the sizes are left to check (the search builds thousands of these).
+    return _finish(
+        seq_len, num_heads, num_kv_heads, groups, token_ranges, head_ranges, by_construction=True
+    )
 
 
 def _check_zigzag_args(
@@ -386,6 +391,9 @@ def _chunk_pieces(
             f"build_zigzag_layout: group {group_index} chunks of {chunk} tokens cannot give "
             f"each of its {num_members} members chunk_quantum={quantum} tokens"
         )
+    first = weights[0] if weights else 0
+    if 0 < first < math.inf and all(w == first for w in weights):  # equal shares, checked
+        return _equal_shares(chunk // quantum, num_members, quantum)
     return apportion(chunk, weights, quantum=quantum, minimum=quantum)
 
 
@@ -405,16 +413,23 @@ def _finish(
     groups: Sequence[Sequence[int]],
     token_ranges: Sequence[Sequence[Range]],
     head_ranges: Sequence[Range],
+    *,
+    by_construction: bool = False,
 ) -> AttentionLayout:
+    """The layout, validated (`by_construction`: its ranges are valid by how a builder made
+    them from checked arguments, so only its sizes are checked)."""
     layout = AttentionLayout(
         seq_len=seq_len,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         groups=tuple(tuple(members) for members in groups),
-        token_ranges=tuple(tuple(ranges) for ranges in token_ranges),
+        token_ranges=tuple(map(tuple, token_ranges)),
         head_ranges=tuple(head_ranges),
     )
-    layout.validate()
+    if by_construction:
+        check_sizes(layout)
+    else:
+        layout.validate()
     return layout
 
 

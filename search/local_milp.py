@@ -211,20 +211,16 @@ def _ring_rates(problem: Problem, groups: list[Group], classes: list[_Class]) ->
     if len(groups) == 1:
         return [np.zeros(cls.size) for cls in classes]
     devices = problem.cluster.devices
+    known = problem.memo(("ring rates", problem.train), dict)  # one table per step
     rates = []
     for cls in classes:
         per_member = np.zeros(cls.size)
         for position in cls.positions:
             sender = groups[position - 1]
-            key = (
-                "ring rate",
-                problem.train,
-                devices[sender[0]].node,
-                devices[groups[position][0]].node,
-                len(sender),
-                cls.heads,
-            )
-            moved = problem.memo(key, lambda key=key: _ring_rate(problem, *key[2:]))
+            key = (devices[sender[0]].node, devices[groups[position][0]].node, len(sender))
+            moved = known.get((*key, cls.heads))
+            if moved is None:
+                moved = known[(*key, cls.heads)] = _ring_rate(problem, *key, cls.heads)
             np.maximum(per_member, moved, out=per_member)
         rates.append(per_member)
     return rates

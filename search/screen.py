@@ -84,21 +84,25 @@ def grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], lis
 
 def _grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], list[list[int]]]:
     speeds = problem.memo(("speeds", problem.train), lambda: attention_speeds(problem))
+    fastest = problem.memo(
+        ("speed by type", problem.train), lambda: speed_by_type(problem.cluster, speeds)
+    )
     groups = order_ring(
         problem.cluster,
         form_groups(problem.cluster, choices.hp_degrees),
         choices.ring_order,
-        speed_by_type(problem.cluster, speeds),
+        fastest,
     )
+    heads_of = problem.memo(("heads by group", problem.train), dict)  # one table per step
     heads = []
     for group in groups:
-        member_speeds = tuple(speeds[r] for r in group)
-        heads.append(
-            problem.memo(
+        if group not in heads_of:
+            member_speeds = tuple(speeds[r] for r in group)
+            heads_of[group] = problem.memo(
                 ("heads", member_speeds),
                 lambda s=member_speeds: split_heads(problem.model.heads, s),
             )
-        )
+        heads.append(heads_of[group])
     return groups, heads
 
 
@@ -146,17 +150,23 @@ def group_rates(
 ) -> list[GroupRates] | None:
     """Busy seconds per segment token of each member of each group, probing where needed
     (None when the sequence is too short to lay the groups out)."""
+    known = _known_rates(problem)
     rates = []
     for group in groups:
-        key = ("rate", problem.train, group)
-        if key not in problem.cache:
+        if group not in known:
             _probe(problem, len(group), quantum)
-        if key not in problem.cache:  # a group no probe forms (an odd-sized last group)
+        if group not in known:  # a group no probe forms (an odd-sized last group)
             _fill_from(problem, groups, heads, quantum)
-        if key not in problem.cache:
+        if group not in known:
             return None
-        rates.append(problem.cache[key])
+        rates.append(known[group])
     return rates
+
+
+def _known_rates(problem: Problem) -> dict[tuple[int, ...], GroupRates]:
+    """Group -> its rates, for this search's step (`problem.train`): one table per step, so
+    a lookup hashes the group alone."""
+    return problem.memo(("rates", problem.train), dict)
 
 
 def _estimate_s(problem: Problem, choices: GlobalChoices) -> float:
@@ -199,4 +209,4 @@ def _fill_from(problem: Problem, groups: list[Group], heads, quantum: int) -> No
     if layout is None:
         return
     for group, rates in zip(layout.groups, rates_of(simulated(problem, layout), layout)):
-        problem.cache[("rate", problem.train, group)] = rates
+        _known_rates(problem)[group] = rates
