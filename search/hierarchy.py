@@ -6,7 +6,7 @@ from hexiseq.costmodel.memory import even_state_fractions
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem, evaluate, memory_shortfall, out_of_memory
 from hexiseq.search.greedy import GlobalChoices
-from hexiseq.search.local_milp import solve_local
+from hexiseq.search.local_milp import LocalSolution, solve_local
 from hexiseq.search.screen import group_rates, grouping, resolved_quantum, with_checkpointing
 
 PLAN_NAME = "hexiseq"
@@ -27,18 +27,19 @@ def plan_for_choices(problem: Problem, choices: GlobalChoices) -> Plan | Infeasi
     solution = solve_local(problem, groups, heads, quantum, rates)
     if solution.layout is None:
         return out_of_memory(PLAN_NAME, solution.missing_bytes or {})
-    fractions, sharding = _state_fractions(problem, solution.layout, solution.state_fractions)
+    fractions, sharding = _state_fractions(problem, solution)
     knobs = {**_knobs(choices, groups, quantum), "state_sharding": sharding}
     return evaluate(problem, solution.layout, fractions, PLAN_NAME, knobs)
 
 
-def _state_fractions(problem: Problem, layout, milp_fractions) -> tuple[list[float], str]:
-    """Even state shares whenever they fit in memory; the MILP's uneven shares only where even
-    ones would overflow a device (`hexiseq.runtime.sharding` runs either as planned)."""
+def _state_fractions(problem: Problem, solution: LocalSolution) -> tuple[list[float], str]:
+    """Even state shares whenever they fit in memory; the MILP's uneven shares (solved only
+    then) where even ones would overflow a device (`hexiseq.runtime.sharding` runs either as
+    planned)."""
     even = even_state_fractions(problem.cluster.world_size)
-    if not memory_shortfall(problem, layout, even):
+    if not memory_shortfall(problem, solution.layout, even):
         return even, "even"
-    return list(milp_fractions), "MILP (by memory): even shares do not fit"
+    return list(solution.state_fractions), "MILP (by memory): even shares do not fit"
 
 
 def _knobs(choices: GlobalChoices, groups, quantum: int) -> dict:

@@ -25,7 +25,9 @@ simulator then scores the result exactly, ring waits included.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -53,8 +55,14 @@ class LocalSolution:
     """The MILP's answer as a layout and state shares, or the memory that is missing."""
 
     layout: AttentionLayout | None
-    state_fractions: tuple[float, ...] = ()
+    shares: Callable[[], tuple[float, ...]] | None = field(default=None, compare=False)
     missing_bytes: dict[int, int] | None = None
+
+    @cached_property
+    def state_fractions(self) -> tuple[float, ...]:
+        """Each rank's share of the model states (solved on first use: the search runs even
+        shares wherever they fit, and then never needs these)."""
+        return self.shares() if self.shares is not None else ()
 
 
 @dataclass(frozen=True)
@@ -100,10 +108,10 @@ def solve_local(
     found = model.solve(times)
     if found is None:
         return LocalSolution(None, missing_bytes=model.missing_bytes())
-    class_units, fractions = found
+    class_units, class_shares = found
     units = _group_units(classes, class_units, total_units, len(groups))
     solved = _layout(problem, groups, heads, quantum, units)
-    return LocalSolution(solved, _rank_fractions(groups, classes, fractions))
+    return LocalSolution(solved, lambda: _rank_fractions(groups, classes, class_shares()))
 
 
 def _same_times(old: list, new: list) -> bool:
@@ -362,14 +370,17 @@ class _Model:
         self.size = self.utilization + 1
 
     def solve(self, times: list[np.ndarray]):
-        """(units per class, state share per class member), or None if nothing fits.
+        """(units per class, a function giving the state share of each class member), or
+        None if nothing fits.
 
         The LP relaxation first (min step time, then the most headroom within
         TIME_TOLERANCE of it). For its state shares and largest block the memory rows are
         per-class unit ceilings, and the integer problem left is one-dimensional in the
         step time: `_fastest_units` solves it exactly, and an LP re-solves the state shares
-        and headroom for those units. Branch and bound runs only where that finds no split
-        (the relaxed shares leave no integer room)."""
+        and headroom for those units: when first asked, where even shares keep every memory
+        row (that LP is then feasible, and the search runs even shares), else at once.
+        Branch and bound runs only where that finds no split (the relaxed shares leave no
+        integer room)."""
         bound_s = self.relaxed_step_s(times)
         if bound_s is None:  # the relaxation is infeasible, so is every integer split
             return None
@@ -377,10 +388,41 @@ class _Model:
         rows.add({self.step: 1.0}, -np.inf, bound_s * (1 + TIME_TOLERANCE))
         roomiest = self._run(rows, self.utilization, relaxed=True)
         relaxed = roomiest if roomiest is not None else self._relaxed(times)
-        rounded = self._rounded(rows, relaxed, times, bound_s)
+        units = self._fastest_units(times, self._unit_ceilings(relaxed), bound_s)
+        if units is not None and self._even_shares_fit(units):
+            return [int(u) for u in units], lambda: self._shares(rows, times, units)
+        rounded = None if units is None else self._rounded(rows, times, units)
         if rounded is not None:
-            return self._answer(rounded)
-        return self._branch_and_bound(times)
+            return self._split(self._answer(rounded))
+        return self._split(self._branch_and_bound(times))
+
+    @staticmethod
+    def _split(found):
+        """(units, shares) as (units, a function giving the shares)."""
+        return None if found is None else (found[0], lambda: found[1])
+
+    def _shares(self, rows, times, units: np.ndarray) -> list[list[float]]:
+        """The state shares `_rounded` solves for `units` (even shares where the program,
+        feasible by `_even_shares_fit`, comes back without a point)."""
+        x = self._rounded(rows, times, units)
+        if x is None:
+            share = 1.0 / self.problem.cluster.world_size
+            return [[share] * len(columns) for columns in self.f]
+        return self._answer(x)[1]
+
+    def _even_shares_fit(self, units: np.ndarray) -> bool:
+        """Whether even state shares keep every memory row at `units` (with the smallest
+        largest block the units allow): bytes, not the program's scaled rows."""
+        share = 1.0 / self.problem.cluster.world_size
+        largest = float(np.max(units)) + 1.0 if self.multi_group else 0.0
+        for c, members in enumerate(self.memory):
+            for phases, capacity in members:
+                room = memory_limit_bytes(int(capacity))
+                for (per_unit, per_largest, per_share), constant in phases:
+                    used = per_unit * units[c] + per_largest * largest + per_share * share
+                    if used > room - constant:
+                        return False
+        return True
 
     def fastest_units(self, times) -> list[int] | None:
         """Integer units of the fastest split for the relaxation's state shares (no
@@ -447,13 +489,10 @@ class _Model:
         units = [int(round(x[c])) for c in self.u]
         return units, [list(x[columns]) for columns in self.f]
 
-    def _rounded(self, rows, relaxed, times, bound_s: float):
-        """The fastest integer units for the relaxed answer's state shares and largest block
-        (`_fastest_units`), the state shares and headroom re-solved for them; None when no
-        integer split fits those memory ceilings."""
-        units = self._fastest_units(times, self._unit_ceilings(relaxed), bound_s)
-        if units is None:
-            return None
+    def _rounded(self, rows, times, units: np.ndarray):
+        """The state shares and headroom re-solved for `units` (the fastest integer units for
+        the relaxed answer's state shares and largest block, `_fastest_units`); None when no
+        shares fit them."""
         lower, upper = self._bounds()
         lower[self.u] = upper[self.u] = units
         rows = _Rows.without_last(rows)  # the time tolerance row: the units set the time
