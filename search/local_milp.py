@@ -222,31 +222,31 @@ def _ring_rates(problem: Problem, groups: list[Group], classes: list[_Class]) ->
     known = problem.memo(("ring rates", problem.train), dict)  # one table per step
     rates = []
     for cls in classes:
+        links = {
+            (devices[groups[p - 1][0]].node, devices[groups[p][0]].node, len(groups[p - 1]))
+            for p in cls.positions
+        }
+        # the rate depends on a link only through its seconds per byte
+        feeds = {(_link_seconds_per_byte(problem, a, b), size) for a, b, size in links}
         per_member = np.zeros(cls.size)
-        for position in cls.positions:
-            sender = groups[position - 1]
-            key = (devices[sender[0]].node, devices[groups[position][0]].node, len(sender))
-            moved = known.get((*key, cls.heads))
+        for seconds_per_byte, size in feeds:
+            key = (seconds_per_byte, size, cls.heads)
+            moved = known.get(key)
             if moved is None:
-                moved = known[(*key, cls.heads)] = _ring_rate(problem, *key, cls.heads)
+                moved = known[key] = _ring_rate(problem, seconds_per_byte, size, cls.heads)
             np.maximum(per_member, moved, out=per_member)
         rates.append(per_member)
     return rates
 
 
-def _ring_rate(
-    problem: Problem, sender_node: str, receiver_node: str, sender_size: int, heads
-) -> np.ndarray:
-    """`_ring_rates` of one receiving group's members, fed by a group of `sender_size`."""
+def _ring_rate(problem: Problem, seconds_per_byte: float, sender_size: int, heads) -> np.ndarray:
+    """`_ring_rates` of one receiving group's members, fed by a group of `sender_size` over a
+    link of `seconds_per_byte`."""
     model, train = problem.model, problem.train
     kv_passes = 3 if train.activation_checkpointing else 2
     per_head_bytes = 2 * model.head_dim * (kv_passes * train.compute_dtype_bytes + 4)
     repeats = model.layers * train.micro_batches
     ratio = model.heads // model.kv_heads
-    seconds_per_byte = problem.memo(
-        ("ring link s/B", sender_node, receiver_node),
-        lambda: _seconds_per_byte(problem, sender_node, receiver_node),
-    )
     starts = np.concatenate([[0], np.cumsum(heads)[:-1]])
     per_member = np.zeros(len(heads))
     for m, (start, count) in enumerate(zip(starts, heads)):
@@ -254,6 +254,13 @@ def _ring_rate(
         kv_out = -(-model.kv_heads // sender_size)
         per_member[m] = max(kv_in, kv_out) * per_head_bytes * repeats * seconds_per_byte
     return per_member
+
+
+def _link_seconds_per_byte(problem: Problem, sender_node: str, receiver_node: str) -> float:
+    return problem.memo(
+        ("ring link s/B", sender_node, receiver_node),
+        lambda: _seconds_per_byte(problem, sender_node, receiver_node),
+    )
 
 
 def _seconds_per_byte(problem: Problem, sender_node: str, receiver_node: str) -> float:
