@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hexiseq.layout import AttentionLayout, kv_keepers
+from hexiseq.layout import AttentionLayout
 
 BF16 = 2
 FP32 = 4
@@ -109,37 +109,55 @@ def batched_all_to_all_bytes(
 def ring_senders(layout: AttentionLayout) -> RingSenders:
     """For every rank, the ranks of the previous ring group that send it K/V heads; and for
     every rank, how many K/V heads per block token it sends on its outgoing hop."""
-    world = layout.world_size
-    heads_out, kv_heads_in = [0] * world, [0] * world
-    senders_of: list[list[int]] = [[] for _ in range(world)]
-    group_count = len(layout.groups)
-    for position, members in enumerate(layout.groups):
-        holder = kv_keepers(layout, layout.groups[(position - 1) % group_count])
-        for rank in members:
-            low, high = layout.kv_head_range(rank)
-            for head in range(low, high):
-                heads_out[holder[head]] += 1
-            senders_of[rank] = sorted({holder[head] for head in range(low, high)})
-            kv_heads_in[rank] = high - low
-    return _links(senders_of, kv_heads_in, heads_out)
+    heads = _HeadsHeld(layout)
+    senders = heads.keeper[heads.previous_group[heads.rank], heads.head]
+    heads_out = np.bincount(senders, minlength=heads.world)
+    return _links(heads.world, heads.rank, senders, heads.kv_counts, heads_out)
 
 
 def dkv_ring_senders(layout: AttentionLayout) -> RingSenders:
     """The backward hops of the FP32 dK/dV accumulators: each K/V head goes from its keeper
     in the previous group to its keeper in this group. A rank that keeps no head receives
     nothing (a link to itself with no heads)."""
-    world = layout.world_size
-    heads_out, heads_in = [0] * world, [0] * world
-    senders_of: list[set[int]] = [set() for _ in range(world)]
-    group_count = len(layout.groups)
-    for position, members in enumerate(layout.groups):
-        previous = kv_keepers(layout, layout.groups[(position - 1) % group_count])
-        for head, keeper in kv_keepers(layout, members).items():
-            senders_of[keeper].add(previous[head])
-            heads_in[keeper] += 1
-            heads_out[previous[head]] += 1
-    rows = [sorted(senders) or [rank] for rank, senders in enumerate(senders_of)]
-    return _links(rows, heads_in, heads_out)
+    heads = _HeadsHeld(layout)
+    group_count, kv_count = heads.keeper.shape
+    receivers = heads.keeper.ravel()  # [group x head] this group's keeper of the head
+    previous = np.roll(heads.keeper, 1, axis=0).ravel()  # the previous group's keeper
+    heads_in = np.bincount(receivers, minlength=heads.world)
+    heads_out = np.bincount(previous, minlength=heads.world)
+    idle = np.flatnonzero(heads_in == 0)  # a link to itself
+    return _links(
+        heads.world,
+        np.concatenate([receivers, idle]),
+        np.concatenate([previous, idle]),
+        heads_in,
+        heads_out,
+    )
+
+
+class _HeadsHeld:
+    """Every (rank, K/V head) a rank holds inside attention, as parallel arrays, and each
+    group's keeper of each K/V head (`hexiseq.layout.kv_keepers`: its lowest holder), as
+    [ring position, K/V head]. Numpy over all ranks at once: the simulator asks for these
+    tables for every new grouping, on up to 1024 ranks."""
+
+    def __init__(self, layout: AttentionLayout) -> None:
+        self.world = layout.world_size
+        starts, ends = np.array(layout.head_ranges, dtype=np.int64).reshape(-1, 2).T
+        ratio = layout.gqa_ratio
+        low, high = starts // ratio, -(-ends // ratio)  # `layout.kv_head_range`
+        self.kv_counts = high - low
+        group_of = np.empty(self.world, dtype=np.int64)
+        for position, members in enumerate(layout.groups):
+            group_of[list(members)] = position
+        self.rank = np.repeat(np.arange(self.world, dtype=np.int64), self.kv_counts)
+        first = np.cumsum(self.kv_counts) - self.kv_counts
+        self.head = low[self.rank] + np.arange(len(self.rank)) - first[self.rank]
+        self.group = group_of[self.rank]
+        group_count = len(layout.groups)
+        self.keeper = np.full((group_count, layout.num_kv_heads), self.world, dtype=np.int64)
+        np.minimum.at(self.keeper, (self.group, self.head), self.rank)
+        self.previous_group = (group_of - 1) % group_count
 
 
 @dataclass(frozen=True)
@@ -153,33 +171,36 @@ class FoldLinks:
 
 
 def fold_links(layout: AttentionLayout) -> FoldLinks:
-    pairs: dict[tuple[int, int], int] = {}
-    for members in layout.groups:
-        keeper_of = kv_keepers(layout, members)
-        for rank in members:
-            low, high = layout.kv_head_range(rank)
-            for head in range(low, high):
-                if keeper_of[head] != rank:
-                    key = (rank, keeper_of[head])
-                    pairs[key] = pairs.get(key, 0) + 1
-    keys = sorted(pairs)
-    return FoldLinks(
-        folders=np.array([k[0] for k in keys], dtype=np.int64),
-        keepers=np.array([k[1] for k in keys], dtype=np.int64),
-        heads=np.array([pairs[k] for k in keys], dtype=np.int64),
-    )
+    heads = _HeadsHeld(layout)
+    keepers = heads.keeper[heads.group, heads.head]
+    shared = keepers != heads.rank
+    world = np.int64(heads.world)
+    pairs, counts = np.unique(heads.rank[shared] * world + keepers[shared], return_counts=True)
+    return FoldLinks(folders=pairs // world, keepers=pairs % world, heads=counts.astype(np.int64))
 
 
-def _links(senders_of: list[list[int]], heads_in: list[int], heads_out: list[int]) -> RingSenders:
-    world = len(senders_of)
-    counts = np.array([len(senders) for senders in senders_of], dtype=np.int64)
-    width = int(counts.max())
-    padded = np.array([row + row[:1] * (width - len(row)) for row in senders_of])
+def _links(
+    world: int,
+    receivers: np.ndarray,
+    senders: np.ndarray,
+    heads_in: np.ndarray,
+    heads_out: np.ndarray,
+) -> RingSenders:
+    """The links of (receiver, sender) pairs (repeats counted once), sorted by receiver and
+    then sender; every rank must receive on at least one."""
+    pairs = np.unique(receivers * np.int64(world) + senders)
+    receivers, senders = pairs // world, pairs % world
+    counts = np.bincount(receivers, minlength=world).astype(np.int64)
+    first_link = np.cumsum(counts) - counts
+    columns = tuple(
+        np.ascontiguousarray(senders[np.where(slot < counts, first_link + slot, first_link)])
+        for slot in range(int(counts.max()))
+    )  # padded with each rank's first sender
     return RingSenders(
-        senders=np.array([s for senders in senders_of for s in senders], dtype=np.int64),
-        receivers=np.repeat(np.arange(world, dtype=np.int64), counts),
-        first_link=np.cumsum(counts) - counts,
-        kv_heads_in=np.array(heads_in, dtype=np.int64),
-        heads_out=np.array(heads_out, dtype=np.int64),
-        sender_columns=tuple(np.ascontiguousarray(column) for column in padded.T),
+        senders=senders,
+        receivers=receivers,
+        first_link=first_link,
+        kv_heads_in=np.asarray(heads_in, dtype=np.int64),
+        heads_out=np.asarray(heads_out, dtype=np.int64),
+        sender_columns=columns,
     )

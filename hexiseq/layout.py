@@ -454,7 +454,8 @@ def build_uniform_layout(
     for size in group_sizes:
         groups.append(list(range(next_rank, next_rank + size)))
         next_rank += size
-    head_counts = [apportion(num_heads, [1] * size, minimum=1) for size in group_sizes]
+    by_size = {size: apportion(num_heads, [1] * size, minimum=1) for size in set(group_sizes)}
+    head_counts = [by_size[size] for size in group_sizes]
     if zigzag:
         segments = zigzag_segment_lengths(seq_len, [1] * len(groups))
         weights = [[1] * size for size in group_sizes]
