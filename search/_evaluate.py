@@ -131,17 +131,18 @@ def build_plan(
     prediction: StepPrediction,
 ) -> Plan:
     devices = problem.cluster.devices
+    groups, tokens = layout._group_by_rank, layout.token_counts
     assignments = tuple(
         RankAssignment(
             rank=r,
             gpu=devices[r].gpu,
             node=devices[r].node,
-            group=layout.group_of(r),
-            head_range=layout.head_ranges[r],
-            tokens=layout.num_tokens(r),
+            group=groups[r],
+            head_range=heads,
+            tokens=tokens[r],
             state_fraction=float(fractions[r]),
         )
-        for r in range(layout.world_size)
+        for r, heads in enumerate(layout.head_ranges)
     )
     return Plan(
         name,
@@ -161,18 +162,24 @@ def plan_prediction(prediction: StepPrediction) -> Prediction:
     for breakdown in prediction.memory:
         if id(breakdown) not in memory:
             memory[id(breakdown)] = (breakdown.peak_bytes, breakdown.terms())
+    keys = list(prediction.seconds_by_part)
+    columns = zip(*prediction.seconds_by_part.values())
+    made: dict[tuple, RankPrediction] = {}  # ranks with the same numbers share one (frozen)
     ranks = []
-    times = prediction.seconds_by_part
-    for r, breakdown in enumerate(prediction.memory):
-        peak, terms = memory[id(breakdown)]
-        ranks.append(
-            RankPrediction(
-                **{key: seconds[r] for key, seconds in times.items()},
+    for row, breakdown, capacity in zip(
+        columns, prediction.memory, prediction.memory_capacity_bytes
+    ):
+        key = (row, id(breakdown), capacity)
+        rank = made.get(key)
+        if rank is None:
+            peak, terms = memory[id(breakdown)]
+            rank = made[key] = RankPrediction(
+                **dict(zip(keys, row)),
                 memory_bytes=peak,
-                memory_capacity_bytes=prediction.memory_capacity_bytes[r],
+                memory_capacity_bytes=capacity,
                 memory_terms=dict(terms),
             )
-        )
+        ranks.append(rank)
     ranks = tuple(ranks)
     return Prediction(
         prediction.step_time_s, prediction.tokens_per_s, ranks, prediction.cost_model_labels
