@@ -116,8 +116,9 @@ def simulate_step(
     context = make_context(cluster, model, train, layout, cost, shared)
     tables = _layer_tables(context, fractions)
     layer_ledger = Ledger(layout.world_size)
-    forward_s = _simulate_layer(context, tables, layer_ledger, backward=False)
-    backward_s = _simulate_layer(context, tables, layer_ledger, backward=True)
+    forward = _ForwardEvents(context, tables)
+    forward_s = _simulate_layer(context, tables, layer_ledger, forward, backward=False)
+    backward_s = _simulate_layer(context, tables, layer_ledger, forward, backward=True)
     _add_sharding_exposure(context, layer_ledger, fractions, forward_s, backward_s)
     ledger = layer_ledger.scaled(model.layers)
     ledger.merge(head_and_loss_parts(context, fractions))
@@ -155,20 +156,52 @@ def _layer_tables(context: SimContext, fractions: list[float]) -> _LayerTables:
     )
 
 
+class _ForwardEvents:
+    """A layer's forward events from an in-step start: the same events for the forward pass
+    and for the recompute ahead of the backward (activation checkpointing), so they are
+    simulated once and their bookings replayed, in order, for the recompute."""
+
+    def __init__(self, context: SimContext, tables: _LayerTables) -> None:
+        self.bookings: list[tuple[str, np.ndarray]] = []
+        start = np.zeros(context.layout.world_size)
+        self.end = _forward_events(context, tables, _Recorder(self.bookings), start)
+
+    def book(self, ledger: Ledger) -> np.ndarray:
+        """Book the events in `ledger`; returns each rank's end."""
+        for key, seconds in self.bookings:
+            ledger.add(key, seconds)
+        return self.end
+
+
+class _Recorder:
+    """A ledger that only keeps what is booked in it, in order."""
+
+    def __init__(self, bookings: list[tuple[str, np.ndarray]]) -> None:
+        self.bookings = bookings
+
+    def add(self, key: str, seconds: np.ndarray | float) -> None:
+        self.bookings.append((key, seconds))
+
+
 def _simulate_layer(
-    context: SimContext, tables: _LayerTables, ledger: Ledger, *, backward: bool
+    context: SimContext,
+    tables: _LayerTables,
+    ledger: Ledger,
+    forward: _ForwardEvents,
+    *,
+    backward: bool,
 ) -> float:
     """One layer's forward, or its backward (recompute included), from an in-step start.
 
     Returns the layer's duration (its slowest rank) and books every rank's time in `ledger`.
     """
-    start = np.zeros(context.layout.world_size)
-    if backward and context.train.activation_checkpointing:
-        start = _forward_events(context, tables, ledger, start)
     if backward:
+        start = np.zeros(context.layout.world_size)
+        if context.train.activation_checkpointing:
+            start = forward.book(ledger)
         end = _backward_events(context, tables, ledger, start)
     else:
-        end = _forward_events(context, tables, ledger, start)
+        end = forward.book(ledger)
     duration = float(np.max(end))
     ledger.add("idle_s", duration - end)
     return duration
