@@ -31,7 +31,7 @@ def causal_pair_matrix(layout: AttentionLayout, group_of: np.ndarray) -> np.ndar
     for query in range(lengths.shape[1]):
         for key in range(lengths.shape[1]):
             later = positions[:, query, None] > positions[None, :, key]
-            pairs += np.outer(lengths[:, query], lengths[:, key]) * later
+            np.add(pairs, np.outer(lengths[:, query], lengths[:, key]), out=pairs, where=later)
     diagonal = np.arange(len(lengths))
     pairs[diagonal, diagonal] += (lengths * (lengths + 1) // 2).sum(axis=1)
     return pairs

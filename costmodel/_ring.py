@@ -56,8 +56,7 @@ def build_ring_tables(context: SimContext) -> RingTables:
     group_count = len(context.layout.groups)
     pairs = steps_by_column(causal_pair_matrix(context.layout, context.group_of))
     shapes = _block_shapes(context, pairs)
-    forward_s = _attention_times(context, pairs, shapes, backward=False)
-    backward_s = _attention_times(context, pairs, shapes, backward=True)
+    forward_s, backward_s = _attention_times(context, pairs, shapes)
     if group_count == 1:
         nothing = np.zeros_like(forward_s)
         return RingTables(None, forward_s, backward_s, nothing, nothing)
@@ -149,32 +148,47 @@ def _fold_times(context: SimContext, folds: FoldLinks, block_tokens: np.ndarray)
 
 
 def _attention_times(
-    context: SimContext,
-    pairs: np.ndarray,
-    shapes: tuple[np.ndarray, np.ndarray],
-    *,
-    backward: bool,
-) -> np.ndarray:
-    """[step, rank] attention time: the rank's heads over the (query, key) pairs
-    `pairs[step, group]` of its group, in one block of `shapes` = (query, key tokens)."""
+    context: SimContext, pairs: np.ndarray, shapes: tuple[np.ndarray, np.ndarray]
+) -> tuple[np.ndarray, np.ndarray]:
+    """[step, rank] forward and backward attention time: the rank's heads over the (query,
+    key) pairs `pairs[step, group]` of its group, in one block of `shapes` = (query, key
+    tokens). Each GPU model's ranks gather their groups' pairs once for both passes."""
     cost, head_dim = context.cost, context.model.head_dim
     q_tokens, kv_tokens = shapes
+    gathered: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
-    def seconds_of(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        groups = context.group_of[ranks]
-        rank_pairs = np.take(pairs, groups, axis=1)
-        return cost.attention_time_s(
-            gpu,
-            rank_pairs,
-            context.heads[None, ranks],
-            head_dim,
-            backward=backward,
-            q_tokens=np.broadcast_to(q_tokens[groups][None, :], rank_pairs.shape),
-            kv_tokens=np.take(kv_tokens, groups, axis=1),
-            kernel=recipe_kernel(context, gpu),
-        )
+    def blocks(gpu: str, ranks: np.ndarray | slice) -> tuple[np.ndarray, ...]:
+        if gpu not in gathered:
+            groups = context.group_of[ranks]
+            rank_pairs = np.take(pairs, groups, axis=1)
+            gathered[gpu] = (
+                rank_pairs,
+                np.broadcast_to(q_tokens[groups][None, :], rank_pairs.shape),
+                np.take(kv_tokens, groups, axis=1),
+            )
+        return gathered[gpu]
 
-    return per_gpu_type_by_step(context, seconds_of, pairs.shape[0])
+    def seconds_of(backward: bool):
+        def seconds(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
+            rank_pairs, rank_q_tokens, rank_kv_tokens = blocks(gpu, ranks)
+            return cost.attention_time_s(
+                gpu,
+                rank_pairs,
+                context.heads[None, ranks],
+                head_dim,
+                backward=backward,
+                q_tokens=rank_q_tokens,
+                kv_tokens=rank_kv_tokens,
+                kernel=recipe_kernel(context, gpu),
+            )
+
+        return seconds
+
+    steps = pairs.shape[0]
+    return (
+        per_gpu_type_by_step(context, seconds_of(False), steps),
+        per_gpu_type_by_step(context, seconds_of(True), steps),
+    )
 
 
 def _block_shapes(context: SimContext, pairs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
