@@ -1,7 +1,9 @@
 """The CP–HP attention layout (docs/design.md §3): who owns which tokens and which heads.
 
-Pure: stdlib and maths only. Builders return validated layouts; `AttentionLayout.validate()`
-raises `InputError` (a `ValueError`) with a one-line message naming what is broken.
+Pure: stdlib and maths only. Builders return valid layouts (the zigzag builder checks its
+arguments, and what it builds from them keeps every rule by construction; a property test
+validates its output); `AttentionLayout.validate()` raises `InputError` (a `ValueError`) with
+a one-line message naming what is broken.
 """
 
 from __future__ import annotations
