@@ -112,3 +112,19 @@ def test_hopeless_short_list_candidates_are_left_out_without_changing_the_plan(m
 def searched(result) -> int:
     """The trials a search scored (the baselines it reports beside them left out)."""
     return sum(1 for trial in result.trials if trial.name == "hexiseq")
+
+
+def test_no_checkpointed_descent_where_every_pick_fits_without_recompute():
+    """Where the greedy picks all fit without activation checkpointing, the recompute is
+    pure cost: the short list descends without it only, and nothing is simulated with it.
+    Where memory binds (1M tokens here), the checkpointed descent still runs."""
+    cluster, train = Cluster.preset("h100x8-a100x8"), TrainSpec(seq_len=64 * 1024)
+    roomy = Problem(cluster, ModelSpec.preset("llama3-8b"), train, DatasheetCostModel())
+    found = shortlist(roomy, [32, 64, 128])
+    assert found and not any(c.activation_checkpointing for c in found)
+    checkpointed = [
+        key for key in roomy.cache if key[0] == "simulate" and key[1].activation_checkpointing
+    ]
+    assert not checkpointed
+    tight = paper_problem(1024 * 1024)
+    assert any(c.activation_checkpointing for c in shortlist(tight, [256, 512, 1024]))
