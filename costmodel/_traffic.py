@@ -120,7 +120,6 @@ def dkv_ring_senders(layout: AttentionLayout) -> RingSenders:
     in the previous group to its keeper in this group. A rank that keeps no head receives
     nothing (a link to itself with no heads)."""
     heads = _HeadsHeld(layout)
-    group_count, kv_count = heads.keeper.shape
     receivers = heads.keeper.ravel()  # [group x head] this group's keeper of the head
     previous = np.roll(heads.keeper, 1, axis=0).ravel()  # the previous group's keeper
     heads_in = np.bincount(receivers, minlength=heads.world)

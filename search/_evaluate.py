@@ -131,13 +131,13 @@ def build_plan(
     prediction: StepPrediction,
 ) -> Plan:
     devices = problem.cluster.devices
-    groups, tokens = layout._group_by_rank, layout.token_counts
+    tokens = layout.token_counts
     assignments = tuple(
         RankAssignment(
             rank=r,
             gpu=devices[r].gpu,
             node=devices[r].node,
-            group=groups[r],
+            group=layout.group_of(r),
             head_range=heads,
             tokens=tokens[r],
             state_fraction=float(fractions[r]),

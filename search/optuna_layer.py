@@ -35,7 +35,7 @@ from hexiseq.search.objective import (
     params_of,
 )
 from hexiseq.search.options import SearchOptions
-from hexiseq.search.polish import POLISH_STARTS, polish, polish_evaluations
+from hexiseq.search.polish import POLISH_STARTS, polish, polish_evaluations, step_s
 from hexiseq.search.sampling import sample
 from hexiseq.search.shortlist import hopeless, shortlist
 from hexiseq.search.studies import create_study, recover_killed_trials, study_storage_errors
@@ -153,13 +153,10 @@ def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
         if added and hopeless(objective.problem, choices, best_step_s):
             continue
         study.add_trial(objective.scored_trial(params_of(choices, quantum)))
-        best_step_s = min(best_step_s, _step_s(objective.plan(choices)))
+        best_step_s = min(best_step_s, step_s(objective.plan(choices)))
         added += 1
     return added
 
-
-def _step_s(plan: Plan | InfeasiblePlan) -> float:
-    return plan.predicted.step_time_s if isinstance(plan, Plan) else math.inf
 
 
 def _outcome(

@@ -115,7 +115,7 @@ def _worth_evaluating(
     cannot tell those apart, and they leave the loads the search settled on), then the
     regrouped neighbours estimated faster than the current plan runs, best POLISH_SCREENED
     first."""
-    current_s = _step_s(current_plan)
+    current_s = step_s(current_plan)
     same_grouping = [c for c in fresh if _grouping_key(c) == _grouping_key(current)]
     regrouped = [c for c in fresh if _grouping_key(c) != _grouping_key(current)]
     faster = fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)
@@ -131,7 +131,8 @@ def _worth_evaluating(
     return reordered + faster
 
 
-def _step_s(plan: Plan | InfeasiblePlan) -> float:
+def step_s(plan: Plan | InfeasiblePlan) -> float:
+    """A plan's predicted step seconds (infinite for one that cannot run)."""
     return plan.predicted.step_time_s if isinstance(plan, Plan) else math.inf
 
 
