@@ -158,7 +158,6 @@ def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
     return added
 
 
-
 def _outcome(
     study, objective: Objective, multi_objective: bool, polished: list[Trial]
 ) -> StudyOutcome:
