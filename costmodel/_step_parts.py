@@ -2,7 +2,8 @@
 
 What the runtime moves is counted in `_runtime_work`; here it becomes seconds per rank through
 the cost model (`memory_bound_time_s`: a profile's fit where there is one, datasheet HBM
-bandwidth x efficiency otherwise), one call per GPU type for all its ranks. Every time is split
+bandwidth x efficiency otherwise), one call per GPU type for all its ranks and all the step's
+bandwidth-bound kernels at once (`bandwidth_bound_parts`). Every time is split
 into its work (the same bytes in one kernel, at most the total) and launch overhead (what the
 kernel count adds on top: the datasheet model's per-kernel floor, a fit's per-call term),
 booked as `launch_s`; the two add up to the cost model's time.
@@ -11,6 +12,7 @@ booked as `launch_s`; the two add up to the cost model's time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -38,49 +40,100 @@ Parts = dict[str, np.ndarray]
 """Breakdown key -> [rank] seconds."""
 
 
-def bandwidth_parts(context: SimContext, key: str, bytes_by_rank: np.ndarray, kernels) -> Parts:
-    """{key: work, "launch_s": overhead} of bandwidth-bound kernels moving `bytes_by_rank`."""
+@dataclass(frozen=True)
+class Kernels:
+    """Bandwidth-bound kernels booked under one breakdown key: the bytes they move and how
+    many of them run, per rank (or one count for every rank)."""
+
+    key: str
+    bytes_by_rank: np.ndarray
+    launches: int | np.ndarray
+
+
+@dataclass(frozen=True)
+class Gemms:
+    """GEMMs booked as "linear_s": their FLOPs, operand bytes and count, per rank (or one
+    count for every rank)."""
+
+    flops_by_rank: np.ndarray
+    bytes_by_rank: np.ndarray
+    calls: int | np.ndarray
+
+
+def priced(context: SimContext, kernels: Sequence[Kernels]) -> list[Parts]:
+    """{key: work, "launch_s": overhead} of each of `kernels`, all priced in one cost-model
+    call per GPU type (the cost model is elementwise: stacking changes no value)."""
     cost = context.cost
-
-    def total(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        return cost.memory_bound_time_s(gpu, bytes_by_rank[ranks], calls=_at(kernels, ranks))
-
-    def work(gpu: str, ranks: np.ndarray | slice) -> np.ndarray:
-        return cost.memory_bound_time_s(gpu, bytes_by_rank[ranks], calls=1)
-
-    return _split(context, key, total, work)
-
-
-def gemm_parts(
-    context: SimContext,
-    flops_by_rank: np.ndarray,
-    bytes_by_rank: np.ndarray,
-    calls: int | np.ndarray,
-) -> Parts:
-    """{"linear_s": work, "launch_s": overhead} of `calls` GEMMs per rank (or [rank])."""
-    cost = context.cost
-
-    def seconds(gpu: str, ranks: np.ndarray | slice, count) -> np.ndarray:
-        return cost.gemm_time_s(
-            gpu, flops_by_rank[ranks], bytes_moved=bytes_by_rank[ranks], calls=count
-        )
-
+    moved = _stacked(context, [k.bytes_by_rank for k in kernels])
+    launches = _stacked(context, [k.launches for k in kernels])
     return _split(
         context,
-        "linear_s",
-        lambda g, r: seconds(g, r, _at(calls, r)),
-        lambda g, r: seconds(g, r, 1),
+        [k.key for k in kernels],
+        lambda gpu, ranks: cost.memory_bound_time_s(gpu, moved[ranks], calls=launches[ranks]),
+        lambda gpu, ranks: cost.memory_bound_time_s(gpu, moved[ranks], calls=1),
     )
 
 
-def _split(context: SimContext, key: str, total_of, work_of) -> Parts:
-    total = per_gpu_type(context, total_of)
-    work = np.minimum(per_gpu_type(context, work_of), total)
-    return {key: work, "launch_s": total - work}
+def priced_gemms(context: SimContext, gemms: Sequence[Gemms]) -> list[Parts]:
+    """{"linear_s": work, "launch_s": overhead} of each of `gemms`, all priced in one
+    cost-model call per GPU type."""
+    cost = context.cost
+    flops = _stacked(context, [g.flops_by_rank for g in gemms])
+    moved = _stacked(context, [g.bytes_by_rank for g in gemms])
+    calls = _stacked(context, [g.calls for g in gemms])
+
+    def seconds(gpu: str, ranks: np.ndarray | slice, count) -> np.ndarray:
+        return cost.gemm_time_s(gpu, flops[ranks], bytes_moved=moved[ranks], calls=count)
+
+    return _split(
+        context,
+        ["linear_s"] * len(gemms),
+        lambda gpu, ranks: seconds(gpu, ranks, calls[ranks]),
+        lambda gpu, ranks: seconds(gpu, ranks, 1),
+    )
 
 
-def _at(value, ranks: np.ndarray | slice):
-    return value[ranks] if isinstance(value, np.ndarray) else value
+def _stacked(context: SimContext, columns: Sequence[np.ndarray | int]) -> np.ndarray:
+    """[rank, column] float64 of per-rank arrays (or one value for every rank)."""
+    world = context.layout.world_size
+    return np.stack(
+        [np.broadcast_to(np.asarray(c, dtype=np.float64), (world,)) for c in columns], axis=1
+    )
+
+
+def _split(context: SimContext, keys: list[str], total_of, work_of) -> list[Parts]:
+    """Each column's work (the same bytes or FLOPs in one kernel, at most the total) under
+    its key, and the launch overhead on top, from [rank, column] times."""
+    shape = (len(keys),)
+    total = per_gpu_type(context, total_of, shape)
+    work = np.minimum(per_gpu_type(context, work_of, shape), total)
+    return [{key: work[:, i], "launch_s": total[:, i] - work[:, i]} for i, key in enumerate(keys)]
+
+
+@dataclass(frozen=True)
+class BandwidthParts:
+    """The step's bandwidth-bound parts, per rank: a layer's elementwise kernels and casts
+    (forward, backward), the head's and loss's (loss, elementwise, cast) and the optimizer's."""
+
+    forward: Parts
+    backward: Parts
+    head_and_loss: tuple[Parts, ...]
+    optimizer: Parts
+
+
+def bandwidth_bound_parts(context: SimContext, fractions: Sequence[float]) -> BandwidthParts:
+    """Every bandwidth-bound part of the step, priced at once."""
+    forward = _layer_kernels(context, fractions, backward=False)
+    backward = _layer_kernels(context, fractions, backward=True)
+    head = _head_kernels(context, fractions)
+    parts = priced(context, [*forward, *backward, *head, _optimizer_kernels(context, fractions)])
+    layer_forward, layer_backward = parts[: len(forward)], parts[len(forward) : -len(head) - 1]
+    return BandwidthParts(
+        add_parts(*layer_forward),
+        add_parts(*layer_backward),
+        tuple(parts[-len(head) - 1 : -1]),
+        parts[-1],
+    )
 
 
 def add_parts(*many: Parts) -> Parts:
@@ -92,9 +145,9 @@ def add_parts(*many: Parts) -> Parts:
     return summed
 
 
-def layer_bandwidth_parts(
+def _layer_kernels(
     context: SimContext, fractions: Sequence[float], *, backward: bool
-) -> Parts:
+) -> list[Kernels]:
     """One layer's elementwise kernels and casts, forward or backward, per rank."""
     tokens = context.tokens.astype(np.float64)
     model = context.model
@@ -103,15 +156,14 @@ def layer_bandwidth_parts(
     activation_casts = block_activation_casts_per_token(model, dtypes, backward=backward)
     weight_casts = weight_casts_per_layer(dtypes, backward=backward)
     weight_cast_bytes = weight_casts.bytes * _cast_params(context, fractions, backward)
-    return add_parts(
-        bandwidth_parts(context, "elementwise_s", elementwise.bytes * tokens, elementwise.kernels),
-        bandwidth_parts(
-            context,
+    return [
+        Kernels("elementwise_s", elementwise.bytes * tokens, elementwise.kernels),
+        Kernels(
             "cast_s",
             activation_casts.bytes * tokens + weight_cast_bytes,
             activation_casts.kernels + weight_casts.kernels,
         ),
-    )
+    ]
 
 
 def _cast_params(context: SimContext, fractions: Sequence[float], backward: bool) -> np.ndarray:
@@ -131,40 +183,50 @@ def _cast_params(context: SimContext, fractions: Sequence[float], backward: bool
     return params + regather * shards
 
 
-def head_and_loss_parts(context: SimContext, fractions: Sequence[float]) -> Ledger:
-    """Per micro-batch: the LM head's GEMMs and the loss kernels (both inside the chunked
-    loss, `runtime/loss.py`: three GEMMs a chunk), the embedding and final norm's
-    elementwise work, and the head weight's cast, per rank."""
+def _head_kernels(context: SimContext, fractions: Sequence[float]) -> list[Kernels]:
+    """Per micro-batch: the loss kernels, the embedding and final norm's elementwise work, and
+    the head weight's cast, per rank."""
     model, train = context.model, context.train
     tokens = context.tokens.astype(np.float64)
     element = train.compute_dtype_bytes
     head_matrix = float(model.vocab * model.hidden)
     dtypes = runtime_dtypes(train)
-    head_flops, head_bytes, head_calls = head_gemm_work(model, dtypes, tokens)
     loss = loss_work(model, dtypes, tokens)
     head = head_elementwise_per_token(model, dtypes)
     # The loss copies an FP32 head weight to the compute dtype once and accumulates its
     # gradient in FP32 (no cast back); sharded, the weight comes gathered in the compute dtype.
     casts = (element + FP32) * head_matrix if dtypes.casts_weights else 0.0
     shares = np.asarray(fractions, dtype=np.float64)
-    ledger = Ledger(context.layout.world_size)
-    for parts in (
-        gemm_parts(context, head_flops, head_bytes, head_calls),
-        bandwidth_parts(context, "loss_s", loss.bytes, loss.kernels),
-        bandwidth_parts(
-            context,
+    return [
+        Kernels("loss_s", loss.bytes, loss.kernels),
+        Kernels(
             "elementwise_s",
             head.bytes * tokens + shares * embedding_gradient_bytes(model),
             head.kernels + 2,
         ),
-        bandwidth_parts(context, "cast_s", np.full(len(tokens), casts), 1 if casts else 0),
-    ):
+        Kernels("cast_s", np.full(len(tokens), casts), 1 if casts else 0),
+    ]
+
+
+def head_gemms(context: SimContext) -> Gemms:
+    """Per micro-batch: the LM head's GEMMs (inside the chunked loss, `runtime/loss.py`: three
+    GEMMs a chunk), per rank."""
+    tokens = context.tokens.astype(np.float64)
+    dtypes = runtime_dtypes(context.train)
+    return Gemms(*head_gemm_work(context.model, dtypes, tokens))
+
+
+def head_and_loss_parts(context: SimContext, head: Parts, bandwidth: BandwidthParts) -> Ledger:
+    """Per micro-batch: the LM head's GEMMs (`head`), then the loss kernels, the embedding and
+    final norm's elementwise work and the head weight's cast (`bandwidth`), per rank."""
+    ledger = Ledger(context.layout.world_size)
+    for parts in (head, *bandwidth.head_and_loss):
         for key, seconds in parts.items():
             ledger.add(key, seconds)
     return ledger
 
 
-def optimizer_parts(context: SimContext, fractions: Sequence[float]) -> Ledger:
+def _optimizer_kernels(context: SimContext, fractions: Sequence[float]) -> Kernels:
     """Per step: AdamW on each rank's shard of the parameters, and the gradient accumulation
     of micro-batches after the first (both bandwidth-bound). AdamW's bytes are weighted by its
     measured slowdown against plain elementwise kernels (`ADAMW_MEASURED_SLOWDOWN`) in the
@@ -180,10 +242,13 @@ def optimizer_parts(context: SimContext, fractions: Sequence[float]) -> Ledger:
         tensors = _parameter_tensors(context.model)
     accumulate = accumulations * GRAD_ACCUMULATE_BYTES_PER_PARAM * params
     launches = adamw_launches(params, fused) + accumulations * tensors
+    return Kernels("optimizer_s", adam + accumulate, launches)
+
+
+def optimizer_parts(context: SimContext, bandwidth: BandwidthParts) -> Ledger:
+    """Per step: the optimizer's part (`bandwidth`) as a ledger."""
     ledger = Ledger(context.layout.world_size)
-    for key, seconds in bandwidth_parts(
-        context, "optimizer_s", adam + accumulate, launches
-    ).items():
+    for key, seconds in bandwidth.optimizer.items():
         ledger.add(key, seconds)
     return ledger
 

@@ -45,11 +45,14 @@ from hexiseq.costmodel._state import (
     make_context,
 )
 from hexiseq.costmodel._step_parts import (
+    BandwidthParts,
+    Gemms,
     Parts,
-    gemm_parts,
+    bandwidth_bound_parts,
     head_and_loss_parts,
-    layer_bandwidth_parts,
+    head_gemms,
     optimizer_parts,
+    priced_gemms,
 )
 from hexiseq.costmodel.base import CostModel, memory_calibrations
 from hexiseq.costmodel.memory import MemoryBreakdown, estimate_memory, even_state_fractions
@@ -114,16 +117,18 @@ def simulate_step(
     _check_compatible(cluster, model, layout)
     fractions = list(state_fractions or even_state_fractions(layout.world_size))
     context = make_context(cluster, model, train, layout, cost, shared)
-    tables = _layer_tables(context, fractions)
+    bandwidth = bandwidth_bound_parts(context, fractions)
+    before, after, head = priced_gemms(context, [*_linear_gemms(context), head_gemms(context)])
+    tables = _layer_tables(context, before, after, bandwidth)
     layer_ledger = Ledger(layout.world_size)
     forward = _ForwardEvents(context, tables)
     forward_s = _simulate_layer(context, tables, layer_ledger, forward, backward=False)
     backward_s = _simulate_layer(context, tables, layer_ledger, forward, backward=True)
     _add_sharding_exposure(context, layer_ledger, fractions, forward_s, backward_s)
     ledger = layer_ledger.scaled(model.layers)
-    ledger.merge(head_and_loss_parts(context, fractions))
+    ledger.merge(head_and_loss_parts(context, head, bandwidth))
     ledger = ledger.scaled(train.micro_batches)
-    ledger.merge(optimizer_parts(context, fractions))
+    ledger.merge(optimizer_parts(context, bandwidth))
     step_time_s = float(np.max(ledger.total()))
     ledger.add("idle_s", step_time_s - ledger.total())
     return _prediction(context, ledger, step_time_s, fractions)
@@ -142,14 +147,15 @@ def _check_compatible(cluster: Cluster, model: ModelSpec, layout: AttentionLayou
         )
 
 
-def _layer_tables(context: SimContext, fractions: list[float]) -> _LayerTables:
+def _layer_tables(
+    context: SimContext, before: Parts, after: Parts, bandwidth: BandwidthParts
+) -> _LayerTables:
     """Everything a layer's events take from the plan alone, computed once per step."""
-    before, after = _linear_times(context)
     return _LayerTables(
         before_attention=before,
         after_attention=after,
-        forward_bandwidth=layer_bandwidth_parts(context, fractions, backward=False),
-        backward_bandwidth=layer_bandwidth_parts(context, fractions, backward=True),
+        forward_bandwidth=bandwidth.forward,
+        backward_bandwidth=bandwidth.backward,
         all_to_all_qkv_s=all_to_all_durations(context, q_heads=True, kv=True),
         all_to_all_q_s=all_to_all_durations(context, q_heads=True, kv=False),
         ring=build_ring_tables(context),
@@ -240,7 +246,7 @@ def _book(ledger: Ledger, start: np.ndarray, parts: Parts, factor: float = 1.0) 
     return end
 
 
-def _linear_times(context: SimContext) -> tuple[Parts, Parts]:
+def _linear_gemms(context: SimContext) -> tuple[Gemms, Gemms]:
     """Forward GEMM time of the parts before attention (q/k/v projections) and after it
     (output projection, SwiGLU gate, up and down), per rank, launch overhead apart."""
     model = context.model
@@ -258,12 +264,8 @@ def _linear_times(context: SimContext) -> tuple[Parts, Parts]:
         (model.ffn_hidden, hidden),
     )
     element = context.train.compute_dtype_bytes
-    before = gemm_parts(
-        context, qkv_flops * tokens, _gemm_operand_bytes(tokens, qkv_gemms, element), 3
-    )
-    after = gemm_parts(
-        context, after_flops * tokens, _gemm_operand_bytes(tokens, after_gemms, element), 4
-    )
+    before = Gemms(qkv_flops * tokens, _gemm_operand_bytes(tokens, qkv_gemms, element), 3)
+    after = Gemms(after_flops * tokens, _gemm_operand_bytes(tokens, after_gemms, element), 4)
     return before, after
 
 

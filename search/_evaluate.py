@@ -16,6 +16,10 @@ from hexiseq.plan import InfeasiblePlan, Plan, Prediction, RankAssignment, RankP
 
 T = TypeVar("T")
 
+SIMULATION_TABLES = "simulation tables"
+"""A `Problem.cache` key: the dict `simulate_step` keeps its layout-structure tables in
+(`shared`), which depend on the layout's groups and heads alone, not on the cluster."""
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -64,7 +68,7 @@ def simulated(
             layout,
             problem.cost,
             fractions,
-            shared=problem.memo("simulation tables", dict),
+            shared=problem.memo(SIMULATION_TABLES, dict),
         ),
     )
 

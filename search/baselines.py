@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from hexiseq.costmodel.memory import even_state_fractions
 from hexiseq.layout import build_uniform_layout
 from hexiseq.plan import InfeasiblePlan, Plan
-from hexiseq.search._evaluate import Problem, evaluate
+from hexiseq.search._evaluate import SIMULATION_TABLES, Problem, evaluate
 
 BASELINE_NAMES = ("uniform-usp", "ring-only", "ulysses-only", "homogeneous-subset")
 
@@ -123,6 +123,9 @@ def _type_subsets(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
         sub_problem = Problem(
             subset, problem.model, problem.train, problem.cost, problem.checkpointing_options
         )
+        # The ring's who-sends-what tables depend on the layout's groups and heads alone:
+        # every type's sub-cluster of the same shape lays out the same grids.
+        sub_problem.cache[SIMULATION_TABLES] = problem.memo(SIMULATION_TABLES, dict)
         plans[gpu] = uniform_usp(sub_problem)
     return plans
 

@@ -72,6 +72,21 @@ def test_gemm_and_memory_bound_times_broadcast_like_scalar_calls(cost):
         assert memory[i] == cost.memory_bound_time_s(GPU, value)
 
 
+def test_gemm_and_memory_bound_times_broadcast_over_rank_by_part_tables(cost):
+    """The simulator prices all of a step's GEMMs, and all its bandwidth-bound kernels, as
+    one [rank, part] table per GPU type, with per-element operand bytes and kernel counts."""
+    moved = np.array([[0.0, 4096.0, 3e9], [1.0, 5e6, 7e8]])
+    flops = np.array([[1e9, 2e12, 5e10], [0.0, 3e6, 8e11]])
+    calls = np.array([[1.0, 3.0, 0.0], [4.0, 1.0, 96.0]])
+    gemm = cost.gemm_time_s(GPU, flops, bytes_moved=moved, calls=calls)
+    memory = cost.memory_bound_time_s(GPU, moved, calls=calls)
+    for (i, j), value in np.ndenumerate(moved):
+        assert gemm[i, j] == cost.gemm_time_s(
+            GPU, float(flops[i, j]), bytes_moved=float(value), calls=int(calls[i, j])
+        )
+        assert memory[i, j] == cost.memory_bound_time_s(GPU, float(value), calls=int(calls[i, j]))
+
+
 def test_transfer_time_broadcasts_and_is_zero_without_bytes(cost):
     seconds = cost.transfer_time_s(BYTES[:, None], BANDWIDTH_GBPS, LATENCY_S)
     assert seconds.shape == (len(BYTES), len(BANDWIDTH_GBPS))

@@ -69,6 +69,31 @@ def test_deterministic():
     assert first.best == second.best
 
 
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_default_search_pauses_the_collector_and_restores_it(monkeypatch, enabled_before):
+    import gc
+
+    import hexiseq.search.api as api
+
+    seen = []
+    real = api.all_baselines
+
+    def spy(problem):
+        seen.append(gc.isenabled())
+        return real(problem)
+
+    monkeypatch.setattr(api, "all_baselines", spy)
+    (gc.enable if enabled_before else gc.disable)()
+    try:
+        plan_search("cpu-emulated-2type", "tiny", 4096)
+        assert seen == [False]  # off while the default search runs
+        assert gc.isenabled() is enabled_before  # and as the caller had it afterwards
+        plan_search("cpu-emulated-2type", "tiny", 4096, n_trials=3)
+        assert seen[-1] is enabled_before  # a sampling search leaves it alone
+    finally:
+        gc.enable()
+
+
 def test_emulated_slow_ranks_get_less_work():
     result = plan_search("cpu-emulated-2type", "tiny", 8192)
     fast = [a.tokens for a in result.best.assignments if a.node == "fast"]
