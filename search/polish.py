@@ -4,11 +4,11 @@ From each start (the best trial first, then the next best, up to POLISH_STARTS) 
 every choice set that differs in one decision (one GPU type's HP degree, checkpointing, the
 ring's layout: ring-order strategy or two neighbouring nodes swapped, at every chunk quantum)
 and moves to the fastest while that beats the current plan. Ring layouts, which the screen
-cannot tell apart, are evaluated first, once per distinct ring (up to rotation) and quantum;
-then the regroupings the screen (`search.screen`) estimates faster than the current plan
-runs, the best POLISH_SCREENED of them. Full evaluations are
-capped by `polish_evaluations` (they cost about in proportion to the devices) and by the
-caller's deadline. The polish scores plans outside the study (it records no trials), so a
+cannot tell apart, are evaluated first, once per distinct ring (up to rotation and swaps of
+nodes that look alike, `_ring_shape`) and quantum; then the regroupings the screen
+(`search.screen`) estimates faster than the current plan runs, the best POLISH_SCREENED of
+them. Full evaluations are capped by `polish_evaluations` (they cost about in proportion to
+the devices) and by the caller's deadline. The polish scores plans outside the study (it records no trials), so a
 trial count stays exact.
 """
 
@@ -141,12 +141,49 @@ def _grouping_key(choices: GlobalChoices) -> tuple:
 
 
 def _ring_key(problem: Problem, choices: GlobalChoices) -> tuple:
-    """What a ring-order or quantum change changes: the cycle of groups (up to rotation:
-    a rotated ring sends every block over the same links) and the quantum."""
+    """What a ring-order or quantum change changes: the ring's shape (`_ring_shape`) and the
+    quantum."""
     problem = with_checkpointing(problem, choices.activation_checkpointing)
-    groups, _ = grouping(problem, choices)
-    first = min(range(len(groups)), key=lambda i: min(groups[i]))
-    return tuple(groups[first:] + groups[:first]), resolved_quantum(problem, choices)
+    groups, heads = grouping(problem, choices)
+    shape = problem.memo(
+        ("ring shape", tuple(groups)), lambda: _ring_shape(problem, groups, heads)
+    )
+    return shape, resolved_quantum(problem, choices)
+
+
+def _ring_shape(problem: Problem, groups: list[tuple[int, ...]], heads: list) -> tuple:
+    """The cycle of nodes the ring visits, each as all that the local stage and the simulator
+    see of it: its GPU model, devices, own link, memory and slowdowns, its groups' sizes and
+    heads in ring order, and the link on to the next node. Up to rotation (a rotated ring
+    sends every block over the same links), and nodes that look alike are interchangeable:
+    two rings that differ by swapping such nodes are the same ring, so the polish evaluates
+    one of them (on 48 and 64 GPUs of two types, 40 node orders each made 13 and 18 shapes,
+    and the orders of one shape always scored the same, to the last bit)."""
+    cluster = problem.cluster
+    bandwidth_GBps, latency_s = problem.memo(
+        "link parameters", lambda: problem.cost.link_parameters(cluster)
+    )
+    index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    devices = cluster.devices
+    visits: list[tuple[str, list]] = []  # (node, its groups' (size, heads)), in ring order
+    for group, group_heads in zip(groups, heads):
+        node = devices[group[0]].node
+        if not visits or visits[-1][0] != node:
+            visits.append((node, []))
+        visits[-1][1].append((len(group), tuple(group_heads)))
+    ids = problem.memo("ring shape ids", dict)  # one small integer per distinct node look
+    items = []
+    for k, (name, node_groups) in enumerate(visits):
+        node = cluster.nodes[index[name]]
+        here, there = index[name], index[visits[(k + 1) % len(visits)][0]]
+        look = (
+            node.gpu, node.count, node.emulation_slowdown, node.memory_GiB,
+            node.measured_slowdown, float(bandwidth_GBps[here, here]),
+            float(latency_s[here, here]), tuple(node_groups),
+            float(bandwidth_GBps[here, there]), float(latency_s[here, there]),
+        )  # fmt: skip
+        items.append(ids.setdefault(look, len(ids)))
+    return min(tuple(items[i:] + items[:i]) for i in range(len(items)))
 
 
 def _node_swaps(plan: Plan | InfeasiblePlan) -> list[str]:

@@ -259,3 +259,39 @@ def test_polish_budget_shrinks_with_the_cluster_and_stops_at_512_gpus():
     budgets = [polish_evaluations(n) for n in (4, 32, 64, 128, 511, 512, 1024)]
     assert budgets == sorted(budgets, reverse=True)
     assert budgets[0] > 0 and budgets[3] > 0 and budgets[-2:] == [0, 0]
+
+
+def test_polish_tells_ring_orders_apart_only_where_a_node_differs():
+    """Rings that differ by swapping nodes that look alike (same GPUs, links, groups) are one
+    ring to the polish, and do score the same; a swap that changes a link the ring uses is
+    another ring."""
+    from hexiseq.search.polish import _ring_key
+
+    cluster = Cluster.from_dict(
+        {
+            "name": "two-by-two",
+            "nodes": [
+                {"name": "h0", "gpu": "H100-SXM", "count": 2},
+                {"name": "a0", "gpu": "A100-80G", "count": 2},
+                {"name": "h1", "gpu": "H100-SXM", "count": 2},
+                {"name": "a1", "gpu": "A100-80G", "count": 2},
+                {"name": "h2", "gpu": "H100-SXM", "count": 2},
+            ],
+            "network": {"inter_node_GBps": 50, "overrides": [{"a": "h0", "b": "a0", "GBps": 10}]},
+        }
+    )
+    problem = problem_for(cluster, "tiny", 1 << 16)
+    degrees = {"H100-SXM": 1, "A100-80G": 2}
+
+    def ring(*nodes: str) -> GlobalChoices:
+        return GlobalChoices(degrees, explicit_ring_order(nodes), 0, False)
+
+    def tokens_per_s(choices: GlobalChoices) -> float:
+        return plan_for_choices(problem, choices).predicted.tokens_per_s
+
+    same = [ring("h0", "h1", "a0", "h2", "a1"), ring("h0", "h2", "a0", "h1", "a1")]  # h1 <-> h2
+    other = ring("h0", "a0", "h1", "h2", "a1")  # uses the slow h0 - a0 link
+    assert _ring_key(problem, same[0]) == _ring_key(problem, same[1])
+    assert tokens_per_s(same[0]) == tokens_per_s(same[1])
+    assert _ring_key(problem, other) != _ring_key(problem, same[0])
+    assert tokens_per_s(other) != tokens_per_s(same[0])
