@@ -613,33 +613,34 @@ class _Model:
 
     def _memory_rows(self, rows, slack: int | None) -> list[tuple[int, int]]:
         """Memory limit rows (with a slack column each when `slack` gives the first one) and
-        utilization rows, in fractions of the device's capacity (well scaled beside seconds)."""
-        slacks = []
+        utilization rows, in fractions of the device's capacity (well scaled beside seconds),
+        added as one block (`_phase_rows`)."""
+        slacks, blocks = [], []
         for c, _cls in enumerate(self.classes):
             for member, (phases, capacity) in enumerate(self.memory[c]):
                 if self.kinds[c].index(self.kinds[c][member]) != member:
                     continue  # an identical member has these rows already
+                columns = (int(self.u[c]), self.largest, int(self.f[c][member]))
                 if slack is not None:
                     slacks.append((c, member))
-                for (per_unit, per_largest, per_share), constant in phases:
-                    columns = {
-                        int(self.u[c]): per_unit / capacity,
-                        self.largest: per_largest / capacity,
-                        int(self.f[c][member]): per_share / capacity,
-                    }
-                    limit = (memory_limit_bytes(int(capacity)) - constant) / capacity
-                    if slack is not None:
-                        rows.add({**columns, slack + len(slacks) - 1: -1.0}, -np.inf, limit)
-                    else:
-                        rows.add(columns, -np.inf, limit)
-                        rows.add(
-                            {**columns, self.utilization: -1.0}, -np.inf, -constant / capacity
-                        )
+                    extra = slack + len(slacks) - 1  # the row's own slack column
+                else:
+                    extra = self.utilization
+                blocks.append(_phase_rows(self.problem, phases, capacity, columns, extra, slack))
+        if blocks:
+            row_of, column_of, values, upper = _stacked_blocks(blocks)
+            rows.add_block(row_of, column_of, values, np.full(len(upper), -np.inf), upper)
         return slacks
 
     def _member_memory(self, cls: _Class):
         """For each member: each phase of its peak memory as an affine function of (u_c, B,
-        f_cm), with the rounding margins folded into the constant, and its capacity."""
+        f_cm), with the rounding margins folded into the constant, and its capacity. Once per
+        group, head split and quantum in a search (candidates share most of their groups)."""
+        group = self.groups[cls.positions[0]]
+        key = ("members", self.problem.train, group, cls.heads, self.quantum, self.ring_groups)
+        return self.problem.memo(key, lambda: self._new_member_memory(cls))
+
+    def _new_member_memory(self, cls: _Class):
         ratio = self.problem.model.heads // self.problem.model.kv_heads
         starts = np.concatenate([[0], np.cumsum(cls.heads)[:-1]]).astype(int)
         members = []
@@ -741,6 +742,61 @@ def _kinds_of(members: list) -> list[int]:
     return [seen.setdefault((id(phases), capacity), len(seen)) for phases, capacity in members]
 
 
+def _phase_rows(problem, phases, capacity: float, columns: tuple, extra: int, slack):
+    """A member's memory rows, phase by phase, as fractions of `capacity`, as entries (row
+    from 0, column, value) and row upper bounds: its limit, coefficients / capacity x (u_c,
+    B, f_cm) <= (95 % of capacity - constant) / capacity, then (no `slack`) the same
+    coefficients minus the `extra` column (utilization) <= -constant / capacity; with
+    `slack`, the limit row with -1 x the `extra` column (its slack). The same entries, in
+    the same order, as adding each row on its own. Values once per search and member kind
+    (its phases are kept once per search, so their identity names them), positions once per
+    shape."""
+    utilization = slack is None
+    values, upper = problem.memo(
+        ("phase rows", id(phases), capacity, utilization),
+        lambda: _phase_values(phases, capacity, utilization),
+    )
+    row_of, column_of = problem.memo(
+        ("phase row positions", len(upper), columns, extra, utilization),
+        lambda: _phase_positions(len(phases), columns, extra, utilization),
+    )
+    return row_of, column_of, values, upper
+
+
+def _phase_values(phases, capacity: float, utilization: bool) -> tuple[np.ndarray, np.ndarray]:
+    coefficients = np.array([c for c, _ in phases], dtype=float).reshape(-1, 3)
+    constants = np.array([constant for _, constant in phases], dtype=float)
+    scaled = coefficients / capacity  # [phase, 3]
+    limits = (memory_limit_bytes(int(capacity)) - constants) / capacity
+    minus_one = np.full((len(constants), 1), -1.0)
+    if utilization:  # limit row: 3 entries; utilization row: the same 3 and -1
+        values = np.hstack([scaled, scaled, minus_one]).ravel()
+        return values, np.column_stack([limits, -constants / capacity]).ravel()
+    return np.hstack([scaled, minus_one]).ravel(), limits
+
+
+def _phase_positions(
+    phases: int, columns: tuple, extra: int, utilization: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    if utilization:
+        row_of = np.tile(np.array([0, 0, 0, 1, 1, 1, 1]), phases)
+        row_of += np.repeat(2 * np.arange(phases), 7)
+        return row_of, np.tile(np.array([*columns, *columns, extra]), phases)
+    return np.repeat(np.arange(phases), 4), np.tile(np.array([*columns, extra]), phases)
+
+
+def _stacked_blocks(blocks: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(row_of, column_of, values, upper) blocks one after the other, rows renumbered."""
+    offsets = np.cumsum([0] + [len(upper) for *_, upper in blocks[:-1]])
+    row_of = np.concatenate([b[0] + offset for b, offset in zip(blocks, offsets)])
+    return (
+        row_of,
+        np.concatenate([b[1] for b in blocks]),
+        np.concatenate([b[2] for b in blocks]),
+        np.concatenate([b[3] for b in blocks]),
+    )
+
+
 class _UnitRanges:
     """Per class, the units allowed at a step time T: at least the class size and what its
     members' ring traffic needs by T, at most what they compute by T and the ceiling."""
@@ -814,6 +870,28 @@ class _Rows:
             self.values.append(value)
         self.lower.append(lower)
         self.upper.append(upper)
+
+    def add_block(
+        self,
+        row_of: np.ndarray,
+        column_of: np.ndarray,
+        values: np.ndarray,
+        lower: np.ndarray,
+        upper: np.ndarray,
+    ) -> None:
+        """Append `len(lower)` rows given as entries (row counted from the first of them,
+        column, value), in order."""
+        self._flush()
+        offset = len(self.lower)
+        self._chunks.append(
+            (
+                (row_of + offset).astype(np.int32),
+                column_of.astype(np.int32),
+                values.astype(float),
+            )
+        )
+        self.lower += lower.tolist()
+        self.upper += upper.tolist()
 
     def extend(self, block: _Block) -> None:
         """Append `block`'s rows after these."""

@@ -8,8 +8,8 @@ cannot tell apart, are evaluated first, once per distinct ring (up to rotation a
 nodes that look alike, `_ring_shape`) and quantum; then the regroupings the screen
 (`search.screen`) estimates faster than the current plan runs, the best POLISH_SCREENED of
 them. Full evaluations are capped by `polish_evaluations` (they cost about in proportion to
-the devices) and by the caller's deadline. The polish scores plans outside the study (it records no trials), so a
-trial count stays exact.
+the devices) and by the caller's deadline. The polish scores plans outside the study (it
+records no trials), so a trial count stays exact.
 """
 
 from __future__ import annotations

@@ -72,6 +72,41 @@ def test_exact_integer_units_match_branch_and_bound(degrees):
     assert bound <= finish * (1 + 1e-9)  # the relaxation bounds it from below
 
 
+@pytest.mark.parametrize("slack", [None, 100])
+def test_memory_rows_come_as_blocks_equal_to_rows_added_one_by_one(slack):
+    """`_phase_rows` builds each member kind's rows at once: the same entries, in the same
+    order, as adding each phase's limit (and utilization, or slack) row on its own."""
+    from hexiseq.costmodel import memory_limit_bytes
+    from hexiseq.search.local_milp import _Rows
+
+    problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
+    model, _, _ = model_and_times(problem, {"H100-SXM": 2, "A100-80G": 3, "L40S": 1}, 64)
+    blocks = _Rows()
+    model._memory_rows(blocks, slack)
+    one_by_one, slacks = _Rows(), 0
+    for c, members in enumerate(model.memory):
+        for member, (phases, capacity) in enumerate(members):
+            if model.kinds[c].index(model.kinds[c][member]) != member:
+                continue
+            slacks += 1
+            for (per_unit, per_largest, per_share), constant in phases:
+                columns = {
+                    int(model.u[c]): per_unit / capacity,
+                    model.largest: per_largest / capacity,
+                    int(model.f[c][member]): per_share / capacity,
+                }
+                limit = (memory_limit_bytes(int(capacity)) - constant) / capacity
+                if slack is not None:
+                    one_by_one.add({**columns, slack + slacks - 1: -1.0}, -np.inf, limit)
+                    continue
+                one_by_one.add(columns, -np.inf, limit)
+                one_by_one.add({**columns, model.utilization: -1.0}, -np.inf, -constant / capacity)
+    assert len(blocks.lower) == len(one_by_one.lower) > 0
+    assert blocks.lower == one_by_one.lower and blocks.upper == one_by_one.upper
+    for ours, theirs in zip(blocks._entries(), one_by_one._entries()):
+        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs)
+
+
 def test_units_cover_the_sequence_and_every_member_has_a_quantum():
     problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
     groups, heads = grouping(problem, GlobalChoices({"H100-SXM": 2, "A100-80G": 3, "L40S": 1}))
