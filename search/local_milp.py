@@ -365,6 +365,10 @@ class _Model:
         # Members of a class with the same memory rows are interchangeable: one state-share
         # column and one set of memory rows for all of them (`kinds[c][member]`).
         self.kinds = [_kinds_of(members) for members in self.memory]
+        # The first member of each kind, per class: the others repeat its rows and share.
+        self.kind_members = [
+            [m for m, kind in enumerate(kinds) if kinds.index(kind) == m] for kinds in self.kinds
+        ]
         self.u = np.arange(len(classes))
         column = len(classes)
         self.f = []
@@ -422,13 +426,14 @@ class _Model:
         largest block the units allow): bytes, not the program's scaled rows."""
         share = 1.0 / self.problem.cluster.world_size
         largest = float(np.max(units)) + 1.0 if self.multi_group else 0.0
-        for c, members in enumerate(self.memory):
-            for phases, capacity in members:
-                room = memory_limit_bytes(int(capacity))
-                for (per_unit, per_largest, per_share), constant in phases:
-                    used = per_unit * units[c] + per_largest * largest + per_share * share
-                    if used > room - constant:
-                        return False
+        for c, members in enumerate(self.kind_members):
+            for member in members:
+                phases, capacity = self.memory[c][member]
+                coefficients, constants = _phase_arrays(self.problem, phases)
+                per_unit, per_largest, per_share = coefficients.T
+                used = per_unit * units[c] + per_largest * largest + per_share * share
+                if np.any(used > memory_limit_bytes(int(capacity)) - constants):
+                    return False
         return True
 
     def fastest_units(self, times) -> list[int] | None:
@@ -663,14 +668,16 @@ class _Model:
         ceilings = np.full(len(self.classes), np.inf)
         largest = np.floor(np.max(x[self.u]) + 1e-9) + 2.0
         for c in range(len(self.classes)):
-            for member, (phases, capacity) in enumerate(self.memory[c]):
-                share = x[self.f[c][member]]
-                for (per_unit, per_largest, per_share), constant in phases:
-                    if per_unit <= 0:
-                        continue
-                    room = memory_limit_bytes(int(capacity)) - constant
-                    room -= per_largest * largest + per_share * share
-                    ceilings[c] = min(ceilings[c], room / per_unit)
+            for member in self.kind_members[c]:
+                phases, capacity = self.memory[c][member]
+                coefficients, constants = _phase_arrays(self.problem, phases)
+                per_unit, per_largest, per_share = coefficients.T
+                grows = per_unit > 0
+                if not np.any(grows):
+                    continue
+                room = memory_limit_bytes(int(capacity)) - constants[grows]
+                room -= per_largest[grows] * largest + per_share[grows] * x[self.f[c][member]]
+                ceilings[c] = min(ceilings[c], float(np.min(room / per_unit[grows])))
             if self.multi_group:
                 ceilings[c] = min(ceilings[c], largest - 1.0)
         return ceilings
@@ -754,7 +761,7 @@ def _phase_rows(problem, phases, capacity: float, columns: tuple, extra: int, sl
     utilization = slack is None
     values, upper = problem.memo(
         ("phase rows", id(phases), capacity, utilization),
-        lambda: _phase_values(phases, capacity, utilization),
+        lambda: _phase_values(problem, phases, capacity, utilization),
     )
     row_of, column_of = problem.memo(
         ("phase row positions", len(upper), columns, extra, utilization),
@@ -763,9 +770,22 @@ def _phase_rows(problem, phases, capacity: float, columns: tuple, extra: int, sl
     return row_of, column_of, values, upper
 
 
-def _phase_values(phases, capacity: float, utilization: bool) -> tuple[np.ndarray, np.ndarray]:
-    coefficients = np.array([c for c, _ in phases], dtype=float).reshape(-1, 3)
-    constants = np.array([constant for _, constant in phases], dtype=float)
+def _phase_arrays(problem, phases) -> tuple[np.ndarray, np.ndarray]:
+    """`phases` as [phase, 3] coefficients of (u_c, B, f_cm) and [phase] constants, once per
+    search (a member's phases are kept once per search, so their identity names them)."""
+    return problem.memo(
+        ("phase arrays", id(phases)),
+        lambda: (
+            np.array([c for c, _ in phases], dtype=float).reshape(-1, 3),
+            np.array([constant for _, constant in phases], dtype=float),
+        ),
+    )
+
+
+def _phase_values(
+    problem, phases, capacity: float, utilization: bool
+) -> tuple[np.ndarray, np.ndarray]:
+    coefficients, constants = _phase_arrays(problem, phases)
     scaled = coefficients / capacity  # [phase, 3]
     limits = (memory_limit_bytes(int(capacity)) - constants) / capacity
     minus_one = np.full((len(constants), 1), -1.0)
