@@ -95,10 +95,10 @@ def priced_gemms(context: SimContext, gemms: Sequence[Gemms]) -> list[Parts]:
 
 def _stacked(context: SimContext, columns: Sequence[np.ndarray | int]) -> np.ndarray:
     """[rank, column] float64 of per-rank arrays (or one value for every rank)."""
-    world = context.layout.world_size
-    return np.stack(
-        [np.broadcast_to(np.asarray(c, dtype=np.float64), (world,)) for c in columns], axis=1
-    )
+    table = np.empty((context.layout.world_size, len(columns)))
+    for i, column in enumerate(columns):
+        table[:, i] = column
+    return table
 
 
 def _split(context: SimContext, keys: list[str], total_of, work_of) -> list[Parts]:

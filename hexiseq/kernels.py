@@ -28,6 +28,8 @@ architecture torch was not built for), the runtime and the profiler try `cudnn` 
 
 from __future__ import annotations
 
+from functools import cache
+
 ATTENTION_KERNELS = ("flash", "cudnn", "efficient", "cpu_flash", "explicit")
 """Every kernel name `attention_kernel` may return or a cost model may be asked about."""
 
@@ -63,6 +65,7 @@ LEGACY_KERNEL_NAMES = {"cuda_flash": "flash", "cuda_efficient": "efficient"}
 """Names profile rows written before this module carry (`extra["kernel"]`)."""
 
 
+@cache
 def attention_kernel(
     device: str, dtype: str, head_dim: int, *, cudnn_usable: bool | None = None
 ) -> str:
