@@ -25,22 +25,68 @@ def all_to_all(
     return sync + duration
 
 
-def all_to_all_durations(context: SimContext, *, q_heads: bool, kv: bool) -> np.ndarray:
-    """[group] duration of the all-to-all that moves the query-head part (`q_heads`) and/or
-    the K/V part (`kv`): the slowest member's send or receive time."""
-    members, real = _padded_members(context)
-    tokens = np.where(real, context.tokens[members], 0).astype(np.float64)
-    heads = np.where(real, context.heads[members], 0).astype(np.float64)
-    kv_heads = np.where(real, context.kv_heads[members], 0).astype(np.float64)
-    head_dim = context.model.head_dim
-    element = context.train.compute_dtype_bytes
-    sent = batched_all_to_all_bytes(
-        tokens, heads, kv_heads, head_dim, q_heads=q_heads, kv=kv, element_bytes=element
-    )
-    nodes = context.node_of[members]
-    send_s = _fan_times(context, sent, nodes, real)
-    receive_s = _fan_times(context, sent.transpose(0, 2, 1), nodes, real)
-    return np.maximum(send_s, receive_s).max(axis=1)
+def all_to_all_durations(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
+    """[group] durations of the all-to-all that moves the query-head and the K/V parts, and
+    of the one that moves the query-head part only: the slowest member's send or receive
+    time. The groups' padded members and links are worked out once for both."""
+    fan = _Fan(context)
+    return fan.durations(q_heads=True, kv=True), fan.durations(q_heads=True, kv=False)
+
+
+class _Fan:
+    """The groups padded to the largest group's size with members that move nothing, and
+    which of their members share a node."""
+
+    def __init__(self, context: SimContext) -> None:
+        self.context = context
+        members, real = _padded_members(context)
+        self.real = real
+        self.tokens = np.where(real, context.tokens[members], 0).astype(np.float64)
+        self.heads = np.where(real, context.heads[members], 0).astype(np.float64)
+        self.kv_heads = np.where(real, context.kv_heads[members], 0).astype(np.float64)
+        self.nodes = nodes = context.node_of[members]
+        self.same_node = nodes[:, :, None] == nodes[:, None, :]
+        self.remote = ~self.same_node & real[:, None, :]
+        self.any_remote = bool(self.remote.any())  # node-aligned groups never have one
+
+    def durations(self, *, q_heads: bool, kv: bool) -> np.ndarray:
+        context = self.context
+        sent = batched_all_to_all_bytes(
+            self.tokens,
+            self.heads,
+            self.kv_heads,
+            context.model.head_dim,
+            q_heads=q_heads,
+            kv=kv,
+            element_bytes=context.train.compute_dtype_bytes,
+        )
+        send_s = self._fan_times(sent)
+        receive_s = self._fan_times(sent.transpose(0, 2, 1))
+        return np.maximum(send_s, receive_s).max(axis=1)
+
+    def _fan_times(self, bytes_by_member: np.ndarray) -> np.ndarray:
+        """[group, member] time for each member to send (or receive) its shares to every
+        other member: same-node bytes over the node's link, cross-node bytes through the
+        slowest link to any member on another node."""
+        context, nodes, remote = self.context, self.nodes, self.remote
+        cost, bandwidth, latency = context.cost, context.bandwidth_GBps, context.latency_s
+        local_s = cost.transfer_time_s(
+            (bytes_by_member * self.same_node).sum(axis=2),
+            bandwidth[nodes, nodes],
+            latency[nodes, nodes],
+        )
+        if not self.any_remote:
+            return local_s
+        has_remote = remote.any(axis=2)
+        link_GBps = bandwidth[nodes[:, :, None], nodes[:, None, :]]
+        slowest_GBps = np.where(remote, link_GBps, np.inf).min(axis=2)
+        first_remote = np.take_along_axis(nodes, remote.argmax(axis=2), axis=1)
+        remote_s = cost.transfer_time_s(
+            (bytes_by_member * remote).sum(axis=2),
+            np.where(has_remote, slowest_GBps, 1.0),  # 1.0: no cross-node member, no bytes
+            latency[nodes, first_remote],
+        )
+        return np.where(has_remote, np.maximum(local_s, remote_s), local_s)
 
 
 def _padded_members(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
@@ -50,27 +96,3 @@ def _padded_members(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
     padded = [list(members) + [members[0]] * (width - len(members)) for members in groups]
     real = np.arange(width)[None, :] < np.array([len(m) for m in groups])[:, None]
     return np.array(padded, dtype=np.int64), real
-
-
-def _fan_times(
-    context: SimContext, bytes_by_member: np.ndarray, nodes: np.ndarray, real: np.ndarray
-) -> np.ndarray:
-    """[group, member] time for each member to send (or receive) its shares to every other
-    member: same-node bytes over the node's link, cross-node bytes through the slowest link
-    to any member on another node."""
-    same_node = nodes[:, :, None] == nodes[:, None, :]
-    remote = ~same_node & real[:, None, :]
-    cost, bandwidth, latency = context.cost, context.bandwidth_GBps, context.latency_s
-    local_s = cost.transfer_time_s(
-        (bytes_by_member * same_node).sum(axis=2), bandwidth[nodes, nodes], latency[nodes, nodes]
-    )
-    has_remote = remote.any(axis=2)
-    link_GBps = bandwidth[nodes[:, :, None], nodes[:, None, :]]
-    slowest_GBps = np.where(remote, link_GBps, np.inf).min(axis=2)
-    first_remote = np.take_along_axis(nodes, remote.argmax(axis=2), axis=1)
-    remote_s = cost.transfer_time_s(
-        (bytes_by_member * remote).sum(axis=2),
-        np.where(has_remote, slowest_GBps, 1.0),  # 1.0: no cross-node member, no bytes
-        latency[nodes, first_remote],
-    )
-    return np.where(has_remote, np.maximum(local_s, remote_s), local_s)

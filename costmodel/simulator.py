@@ -151,13 +151,14 @@ def _layer_tables(
     context: SimContext, before: Parts, after: Parts, bandwidth: BandwidthParts
 ) -> _LayerTables:
     """Everything a layer's events take from the plan alone, computed once per step."""
+    qkv_s, q_s = all_to_all_durations(context)
     return _LayerTables(
         before_attention=before,
         after_attention=after,
         forward_bandwidth=bandwidth.forward,
         backward_bandwidth=bandwidth.backward,
-        all_to_all_qkv_s=all_to_all_durations(context, q_heads=True, kv=True),
-        all_to_all_q_s=all_to_all_durations(context, q_heads=True, kv=False),
+        all_to_all_qkv_s=qkv_s,
+        all_to_all_q_s=q_s,
         ring=build_ring_tables(context),
     )
 
