@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property, lru_cache
 from typing import TypeVar
 
 import numpy as np
@@ -70,12 +71,12 @@ class SimContext:
             self.shared[key] = compute(layout)
         return self.shared[key]
 
-    @property
+    @cached_property
     def emulated(self) -> bool:
         """Whether some rank runs slowed down (an emulated cluster)."""
         return bool(np.any(self.slowdown != 1.0))
 
-    @property
+    @cached_property
     def rank_in_model_order(self) -> np.ndarray:
         """[rank] its column when the ranks are listed GPU model by model (`ranks_by_gpu`)."""
         order = np.concatenate(list(self.ranks_by_gpu.values()))
@@ -110,7 +111,7 @@ def make_context(
         layout=layout,
         cost=cost,
         gpus=gpus,
-        ranks_by_gpu=_ranks_by_gpu(gpus),
+        ranks_by_gpu=_ranks_by_gpu(tuple(gpus)),
         node_of=np.array([node_index[d.node] for d in devices], dtype=np.int64),
         bandwidth_GBps=bandwidth_GBps,
         latency_s=latency_s,
@@ -143,9 +144,14 @@ def _layout_arrays(layout: AttentionLayout) -> dict[str, np.ndarray]:
     }
 
 
-def _ranks_by_gpu(gpus: list[str]) -> dict[str, np.ndarray]:
+@lru_cache(maxsize=64)
+def _ranks_by_gpu(gpus: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """GPU model -> its ranks (read-only arrays, shared by every simulation of a cluster)."""
     names = np.array(gpus)
-    return {gpu: np.flatnonzero(names == gpu) for gpu in dict.fromkeys(gpus)}
+    found = {gpu: np.flatnonzero(names == gpu) for gpu in dict.fromkeys(gpus)}
+    for ranks in found.values():
+        ranks.setflags(write=False)
+    return found
 
 
 def per_gpu_type(
