@@ -54,19 +54,25 @@ def test_split_heads_is_the_exact_min_max(case):
     assert max(h / s for h, s in zip(split, speeds)) == pytest.approx(best)
 
 
+def cluster_of(name: str, nodes: list[tuple[str, str, int]], GBps: float, slow=()) -> Cluster:
+    """A cluster of (node, GPU, count) nodes, `GBps` between nodes but (a, b, GBps) `slow`."""
+    return Cluster.from_dict(
+        {
+            "name": name,
+            "nodes": [{"name": n, "gpu": gpu, "count": count} for n, gpu, count in nodes],
+            "network": {
+                "inter_node_GBps": GBps,
+                "overrides": [{"a": a, "b": b, "GBps": link} for a, b, link in slow],
+            },
+        }
+    )
+
+
 def eight_type_cluster() -> Cluster:
     gpus = ["H100-SXM", "A100-80G", "H200", "L40S", "RTX-4090", "V100-32G", "A800-80G", "B200"]
     counts = [8, 6, 4, 5, 3, 8, 2, 7]  # odd node sizes on purpose
-    return Cluster.from_dict(
-        {
-            "name": "eight-types",
-            "nodes": [
-                {"name": f"n{i}", "gpu": g, "count": c}
-                for i, (g, c) in enumerate(zip(gpus, counts))
-            ],
-            "network": {"inter_node_GBps": 50, "overrides": [{"a": "n0", "b": "n1", "GBps": 5}]},
-        }
-    )
+    nodes = [(f"n{i}", g, c) for i, (g, c) in enumerate(zip(gpus, counts))]
+    return cluster_of("eight-types", nodes, 50, slow=[("n0", "n1", 5)])
 
 
 def test_groups_stay_inside_nodes_with_odd_sizes():
@@ -232,17 +238,15 @@ def test_polish_finds_what_the_short_list_misses(monkeypatch):
     reaches it, deterministically."""
     from hexiseq.search import optuna_layer
 
-    cluster = Cluster.from_dict(
-        {
-            "name": "random-15",
-            "nodes": [
-                {"name": "n0", "gpu": "A100-80G", "count": 1},
-                {"name": "n1", "gpu": "A100-80G", "count": 5},
-                {"name": "n2", "gpu": "A100-40G", "count": 2},
-                {"name": "n3", "gpu": "RTX-4090", "count": 4},
-            ],
-            "network": {"inter_node_GBps": 12.5},
-        }
+    cluster = cluster_of(
+        "random-15",
+        [
+            ("n0", "A100-80G", 1),
+            ("n1", "A100-80G", 5),
+            ("n2", "A100-40G", 2),
+            ("n3", "RTX-4090", 4),
+        ],
+        12.5,
     )
     polished = [plan_search(cluster, "tiny-7h", "64k").best for _ in range(2)]
     monkeypatch.setattr(optuna_layer, "polish_evaluations", lambda world_size: 0)
@@ -267,19 +271,9 @@ def test_polish_tells_ring_orders_apart_only_where_a_node_differs():
     another ring."""
     from hexiseq.search.polish import _ring_key
 
-    cluster = Cluster.from_dict(
-        {
-            "name": "two-by-two",
-            "nodes": [
-                {"name": "h0", "gpu": "H100-SXM", "count": 2},
-                {"name": "a0", "gpu": "A100-80G", "count": 2},
-                {"name": "h1", "gpu": "H100-SXM", "count": 2},
-                {"name": "a1", "gpu": "A100-80G", "count": 2},
-                {"name": "h2", "gpu": "H100-SXM", "count": 2},
-            ],
-            "network": {"inter_node_GBps": 50, "overrides": [{"a": "h0", "b": "a0", "GBps": 10}]},
-        }
-    )
+    h100, a100 = "H100-SXM", "A100-80G"
+    nodes = [("h0", h100, 2), ("a0", a100, 2), ("h1", h100, 2), ("a1", a100, 2), ("h2", h100, 2)]
+    cluster = cluster_of("two-by-two", nodes, 50, slow=[("h0", "a0", 10)])
     problem = problem_for(cluster, "tiny", 1 << 16)
     degrees = {"H100-SXM": 1, "A100-80G": 2}
 
