@@ -137,10 +137,11 @@ def search(
 def _collection_paused(paused: bool) -> Iterator[None]:
     """Python's cyclic garbage collector off while the default search runs (a bounded
     fraction of a second): the search makes many short-lived containers, whose count sets
-    off collections of every generation, and a full one walks the caller's whole heap (one
-    took 55 ms of a 0.56 s search on 64 GPUs of 8 types). Reference counting still frees
-    what the search drops; the collector runs again, as before, once it returns. Searches
-    that sample (`n_trials`, `time_budget_s`) may run for long: they keep it on."""
+    off collections of every generation, and a full one walks the caller's whole heap
+    (collections took 64 ms of a 0.56 s search on 64 GPUs of 8 types, most of it in the one
+    full collection). Reference counting still frees what the search drops; the collector
+    runs again, as before, once it returns. Searches that sample (`n_trials`,
+    `time_budget_s`) may run for long: they keep it on."""
     if not paused or not gc.isenabled():
         yield
         return
