@@ -146,7 +146,7 @@ def _ring_key(problem: Problem, choices: GlobalChoices) -> tuple:
     problem = with_checkpointing(problem, choices.activation_checkpointing)
     groups, heads = grouping(problem, choices)
     shape = problem.memo(
-        ("ring shape", tuple(groups)), lambda: _ring_shape(problem, groups, heads)
+        ("ring shape", problem.train, tuple(groups)), lambda: _ring_shape(problem, groups, heads)
     )
     return shape, resolved_quantum(problem, choices)
 
