@@ -123,16 +123,19 @@ class BandwidthParts:
 
 def bandwidth_bound_parts(context: SimContext, fractions: Sequence[float]) -> BandwidthParts:
     """Every bandwidth-bound part of the step, priced at once."""
-    forward = _layer_kernels(context, fractions, backward=False)
-    backward = _layer_kernels(context, fractions, backward=True)
-    head = _head_kernels(context, fractions)
-    parts = priced(context, [*forward, *backward, *head, _optimizer_kernels(context, fractions)])
-    layer_forward, layer_backward = parts[: len(forward)], parts[len(forward) : -len(head) - 1]
+    sections = {
+        "forward": _layer_kernels(context, fractions, backward=False),
+        "backward": _layer_kernels(context, fractions, backward=True),
+        "head_and_loss": _head_kernels(context, fractions),
+        "optimizer": [_optimizer_kernels(context, fractions)],
+    }
+    parts = iter(priced(context, [k for kernels in sections.values() for k in kernels]))
+    by_section = {name: [next(parts) for _ in kernels] for name, kernels in sections.items()}
     return BandwidthParts(
-        add_parts(*layer_forward),
-        add_parts(*layer_backward),
-        tuple(parts[-len(head) - 1 : -1]),
-        parts[-1],
+        forward=add_parts(*by_section["forward"]),
+        backward=add_parts(*by_section["backward"]),
+        head_and_loss=tuple(by_section["head_and_loss"]),
+        optimizer=by_section["optimizer"][0],
     )
 
 
