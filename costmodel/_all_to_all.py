@@ -40,7 +40,6 @@ class _Fan:
     def __init__(self, context: SimContext) -> None:
         self.context = context
         members, real = _padded_members(context)
-        self.real = real
         self.tokens = np.where(real, context.tokens[members], 0).astype(np.float64)
         self.heads = np.where(real, context.heads[members], 0).astype(np.float64)
         self.kv_heads = np.where(real, context.kv_heads[members], 0).astype(np.float64)

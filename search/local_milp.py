@@ -621,10 +621,9 @@ class _Model:
         utilization rows, in fractions of the device's capacity (well scaled beside seconds),
         added as one block (`_phase_rows`)."""
         slacks, blocks = [], []
-        for c, _cls in enumerate(self.classes):
-            for member, (phases, capacity) in enumerate(self.memory[c]):
-                if self.kinds[c].index(self.kinds[c][member]) != member:
-                    continue  # an identical member has these rows already
+        for c, members in enumerate(self.kind_members):  # an identical member repeats them
+            for member in members:
+                phases, capacity = self.memory[c][member]
                 columns = (int(self.u[c]), self.largest, int(self.f[c][member]))
                 if slack is not None:
                     slacks.append((c, member))
