@@ -203,10 +203,21 @@ def _class_times(classes: list[_Class], rates: list[GroupRates], quantum: int) -
     group of the class speaking for it."""
     times = []
     for cls in classes:
-        per_token = np.max([rates[p].per_token_s for p in cls.positions], axis=0)
-        fixed = np.max([rates[p].fixed_s for p in cls.positions], axis=0)
+        per_token = _elementwise_max([rates[p].per_token_s for p in cls.positions])
+        fixed = _elementwise_max([rates[p].fixed_s for p in cls.positions])
         times.append((np.maximum(per_token * 2 * quantum, 0.0), np.maximum(fixed, 0.0)))
     return times
+
+
+def _elementwise_max(arrays: list[np.ndarray]) -> np.ndarray:
+    """The element-by-element maximum of same-shaped arrays: pairwise for a few (cheaper than
+    stacking them), stacked for many."""
+    if len(arrays) > 8:
+        return np.max(arrays, axis=0)
+    found = arrays[0]
+    for other in arrays[1:]:
+        found = np.maximum(found, other)
+    return found
 
 
 def _ring_rates(problem: Problem, groups: list[Group], classes: list[_Class]) -> list:
