@@ -248,8 +248,8 @@ def _book(ledger: Ledger, start: np.ndarray, parts: Parts, factor: float = 1.0) 
 
 
 def _linear_gemms(context: SimContext) -> tuple[Gemms, Gemms]:
-    """Forward GEMM time of the parts before attention (q/k/v projections) and after it
-    (output projection, SwiGLU gate, up and down), per rank, launch overhead apart."""
+    """The forward GEMMs of the parts before attention (q/k/v projections) and after it
+    (output projection, SwiGLU gate, up and down), per rank, to be priced (`priced_gemms`)."""
     model = context.model
     tokens = context.tokens.astype(np.float64)
     qkv_flops = 2.0 * model.hidden * model.head_dim * (model.heads + 2 * model.kv_heads)

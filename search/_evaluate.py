@@ -6,6 +6,8 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import numpy as np
+
 from hexiseq.cluster import Cluster
 from hexiseq.costmodel import CostModel, StepPrediction, estimate_memory, simulate_step
 from hexiseq.costmodel.base import memory_calibrations
@@ -41,6 +43,16 @@ class Problem:
         if key not in self.cache:
             self.cache[key] = compute()
         return self.cache[key]
+
+    def links(self) -> tuple[np.ndarray, np.ndarray]:
+        """[node, node] bandwidth (GB/s) and latency (s) under the cost model, once per search."""
+        return self.memo("links", lambda: self.cost.link_parameters(self.cluster))
+
+    def node_index(self) -> dict[str, int]:
+        """Node name -> its index in `cluster.nodes` (and in `links`)."""
+        return self.memo(
+            "node index", lambda: {node.name: i for i, node in enumerate(self.cluster.nodes)}
+        )
 
     def limits(self) -> list[int]:
         return self.memo(

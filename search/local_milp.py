@@ -276,11 +276,7 @@ def _link_seconds_per_byte(problem: Problem, sender_node: str, receiver_node: st
 
 def _seconds_per_byte(problem: Problem, sender_node: str, receiver_node: str) -> float:
     """Seconds a byte of a large message takes from `sender_node` to `receiver_node`."""
-    cluster = problem.cluster
-    bandwidth = problem.memo("links", lambda: problem.cost.link_parameters(cluster))[0]
-    node_index = problem.memo(
-        "node index", lambda: {node.name: i for i, node in enumerate(cluster.nodes)}
-    )
+    bandwidth, node_index = problem.links()[0], problem.node_index()
     sample_bytes = float(2**30)
     link = (node_index[sender_node], node_index[receiver_node])
     return problem.cost.transfer_time_s(sample_bytes, bandwidth[link], 0.0) / sample_bytes
@@ -774,7 +770,7 @@ def _phase_rows(problem, phases, capacity: float, columns: tuple, extra: int, sl
         lambda: _phase_values(problem, phases, capacity, utilization),
     )
     row_of, column_of = problem.memo(
-        ("phase row positions", len(upper), columns, extra, utilization),
+        ("phase row positions", len(phases), columns, extra, utilization),
         lambda: _phase_positions(len(phases), columns, extra, utilization),
     )
     return row_of, column_of, values, upper

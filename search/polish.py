@@ -160,10 +160,8 @@ def _ring_shape(problem: Problem, groups: list[tuple[int, ...]], heads: list) ->
     one of them (on 48 and 64 GPUs of two types, 40 node orders each made 13 and 18 shapes,
     and the orders of one shape always scored the same, to the last bit)."""
     cluster = problem.cluster
-    bandwidth_GBps, latency_s = problem.memo(
-        "link parameters", lambda: problem.cost.link_parameters(cluster)
-    )
-    index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    bandwidth_GBps, latency_s = problem.links()
+    index = problem.node_index()
     devices = cluster.devices
     visits: list[tuple[str, list]] = []  # (node, its groups' (size, heads)), in ring order
     for group, group_heads in zip(groups, heads):
