@@ -289,3 +289,55 @@ def test_polish_tells_ring_orders_apart_only_where_a_node_differs():
     assert tokens_per_s(same[0]) == tokens_per_s(same[1])
     assert _ring_key(problem, other) != _ring_key(problem, same[0])
     assert tokens_per_s(other) != tokens_per_s(same[0])
+
+
+def test_polish_tries_every_ring_at_this_quantum_and_the_fastest_rings_at_every_quantum():
+    """The polish's ring layouts come in two stages: every other ring at the current chunk
+    quantum and the current ring at the others; then, once those are scored, the other
+    quanta of the POLISH_RING_FINALISTS rings fastest at the current quantum, and no ring
+    and quantum twice."""
+    from hexiseq.search.objective import quantum_choices
+    from hexiseq.search.polish import (
+        POLISH_RING_FINALISTS,
+        _ring_key,
+        _worth_evaluating,
+        neighbours,
+        throughput,
+    )
+
+    h100, a100 = "H100-SXM", "A100-80G"
+    nodes = [("h0", h100, 2), ("a0", a100, 2), ("h1", h100, 2), ("a1", a100, 2)]
+    cluster = cluster_of("two-by-two", nodes, 50, slow=[("h0", "a0", 10)])
+    problem = problem_for(cluster, "tiny", 1 << 16)
+    quanta = quantum_choices(problem)
+    plans: dict = {}
+
+    def plan_of(choices: GlobalChoices):
+        if choices.key() not in plans:
+            plans[choices.key()] = plan_for_choices(problem, choices)
+        return plans[choices.key()]
+
+    def is_scored(choices: GlobalChoices) -> bool:
+        return choices.key() in plans
+
+    current = GlobalChoices({h100: 1, a100: 2}, "file", quanta[1], False)
+    here, quantum = _ring_key(problem, current)
+    found = neighbours(problem, current, quanta, plan_of(current))
+    first, later = _worth_evaluating(problem, current, plan_of(current), found, is_scored)
+    rings = [c for c in first if c.hp_degrees == current.hp_degrees]
+    keys = [_ring_key(problem, c) for c in rings]
+    assert all((ring == here) != (q == quantum) for ring, q in keys)
+    assert {q for ring, q in keys if ring == here} == set(quanta) - {quantum}
+    others = {_ring_key(problem, c)[0] for c in found if c.hp_degrees == current.hp_degrees}
+    assert {ring for ring, q in keys if q == quantum} == others - {here}
+    speed_at_quantum = {here: throughput(plan_of(current))}
+    for choices, (ring, q) in zip(rings, keys):
+        if q == quantum:
+            speed_at_quantum[ring] = throughput(plan_of(choices))
+    second = later(plan_of)
+    finalists = sorted(speed_at_quantum, key=speed_at_quantum.get, reverse=True)
+    finalists = finalists[:POLISH_RING_FINALISTS]
+    expected = {(r, q) for r in finalists for q in quanta} - {(here, q) for q in quanta}
+    assert len(others) > POLISH_RING_FINALISTS  # the finalists leave some rings out
+    assert {_ring_key(problem, c) for c in second} == {k for k in expected if k[1] != quantum}
+    assert len(set(keys) | {_ring_key(problem, c) for c in second}) == len(keys) + len(second)

@@ -72,6 +72,42 @@ def test_exact_integer_units_match_branch_and_bound(degrees):
     assert bound <= finish * (1 + 1e-9)  # the relaxation bounds it from below
 
 
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
+        {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
+        {"H100-SXM": 2, "A100-80G": 1, "L40S": 2},
+    ],
+)
+def test_the_linearization_point_without_an_lp_is_as_fast_as_the_lps(degrees, monkeypatch):
+    """Where memory does not bind, `fastest_units` takes its units without an LP: a split
+    that covers the sequence, fits with even state shares, and runs as fast under the
+    linear model as the units the LP relaxation's ceilings give."""
+    problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
+    model, times, classes = model_and_times(problem, degrees, 64)
+    assert model._without_lp(times) is not None  # memory does not bind here
+    ours = np.array(model.fastest_units(times), dtype=float)
+    monkeypatch.setattr(_Model, "_without_lp", lambda self, times: None)
+    with_lp = np.array(model.fastest_units(times), dtype=float)
+    counts = np.array([len(cls.positions) for cls in classes])
+    total = model.total_units
+    assert total - counts.sum() <= ours @ counts <= total
+    assert model._even_shares_fit(ours)
+    finish = model._finish_s(times, ours).max()
+    assert finish == pytest.approx(model._finish_s(times, with_lp).max(), rel=1e-6)
+
+
+def test_the_linearization_point_asks_the_lp_where_even_shares_overflow():
+    """13B on H100s and 4090s: even state shares would overflow a 4090 at the fastest
+    units, so there is no LP-free answer, and the LP relaxation's shares give one."""
+    problem = problem_for(big_and_small(), "llama2-13b", 256 * 1024)
+    model, times, _ = model_and_times(problem, {"H100-SXM": 8, "RTX-4090": 4}, 256)
+    assert model._without_lp(times) is None
+    units = model.fastest_units(times)
+    assert units is not None and not model._even_shares_fit(np.array(units, dtype=float))
+
+
 @pytest.mark.parametrize("slack", [None, 100])
 def test_memory_rows_come_as_blocks_equal_to_rows_added_one_by_one(slack):
     """`_phase_rows` builds each member kind's rows at once: the same entries, in the same
