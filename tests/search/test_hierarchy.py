@@ -234,8 +234,8 @@ def test_postgresql_storage_with_workers(postgresql_database):
 
 def test_polish_finds_what_the_short_list_misses(monkeypatch):
     """benchmarks/plan_quality.py case 15: the winning ring order only wins at another chunk
-    quantum, which the screen cannot price; the polish (ring layouts at every quantum)
-    reaches it, deterministically."""
+    quantum, which the screen cannot price; the polish (every ring at the current quantum,
+    the fastest rings at every quantum) reaches it, deterministically."""
     from hexiseq.search import optuna_layer
 
     cluster = cluster_of(
