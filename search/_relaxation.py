@@ -164,6 +164,41 @@ def _memory_fits(model, units: np.ndarray) -> bool:
     return sum(share_room[col] * n for col, n in multiplicity.items()) >= 1.0
 
 
+def memory_rules_out(model) -> bool:
+    """Whether the memory rows alone leave the LP no point: with no state share (every
+    share's coefficient is a cost, and shares are at least zero) and the largest block as
+    small as a class's own units allow (B >= u_c + 1), the units each class's members can
+    hold fall short of its size or, over all classes, of the sequence. A relaxation of the
+    LP's rows, so a True is certain; the LP answers the rest. (At 1M tokens without
+    activation checkpointing this rules out every grouping of 16 GPUs of 8 types before
+    any LP: 8 programs of about 1.5 ms each.)"""
+    from hexiseq.search.local_milp import _phase_arrays  # (the two modules share this)
+
+    block_units = 1.0 if model.multi_group else 0.0
+    most_units = 0.0
+    for c, members in enumerate(model.kind_members):
+        cap = np.inf
+        for member in members:
+            phases, capacity = model.memory[c][member]
+            coefficients, constants = _phase_arrays(model.problem, phases)
+            per_unit, per_largest, per_share = coefficients.T
+            if np.any(coefficients < 0):
+                return False  # not a shape this test reasons about: ask the LP
+            per_own_unit = per_unit + per_largest * block_units
+            room = memory_limit_bytes(int(capacity)) - constants - per_largest * block_units
+            if np.any((per_own_unit <= 0) & (room < 0)):
+                return True  # a row no units can satisfy
+            grows = per_own_unit > 0
+            if np.any(grows):
+                cap = min(cap, float(np.min(room[grows] / per_own_unit[grows])))
+        size = float(model.classes[c].size)
+        if cap < size * (1 - 1e-9):
+            return True
+        most_units += len(model.classes[c].positions) * cap
+    counts = sum(len(cls.positions) for cls in model.classes)
+    return most_units < (model.total_units - counts) * (1 - 1e-9)
+
+
 def busy_bound_s(model_classes, times, total_units: int) -> float:
     """A lower bound of the LP's step time from the time rows of busy work alone (no ring,
     no memory rows): the least T at which every class can take its size and the classes'

@@ -38,7 +38,7 @@ from hexiseq.plan import RankTime
 from hexiseq.search._evaluate import Problem, simulated
 from hexiseq.search._highs import Program, solve
 from hexiseq.search._relaxation import busy_bound_s as _busy_bound_s
-from hexiseq.search._relaxation import unconstrained_optimum
+from hexiseq.search._relaxation import memory_rules_out, unconstrained_optimum
 
 Group = tuple[int, ...]
 RELINEARIZATIONS = 2
@@ -523,10 +523,16 @@ class _Model:
     def _relaxed(self, times):
         """The LP relaxation's fastest solution, once per groups, quantum and times in a
         search (the screen and the full evaluation ask for the same one)."""
+        if self._memory_rules_out():
+            return None
         key = (*self._key("relaxed"), _times_key(times))
         return self.problem.memo(
             key, lambda: self._run(self._rows(times), self.step, relaxed=True)
         )
+
+    def _memory_rules_out(self) -> bool:
+        """`_relaxation.memory_rules_out`, once per grouping, head split and quantum."""
+        return self.problem.memo(self._key("memory rules out"), lambda: memory_rules_out(self))
 
     def _branch_and_bound(self, times: list[np.ndarray]):
         rows = self._rows(times)

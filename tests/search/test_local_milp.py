@@ -108,6 +108,30 @@ def test_the_linearization_point_asks_the_lp_where_even_shares_overflow():
     assert units is not None and not model._even_shares_fit(np.array(units, dtype=float))
 
 
+def test_memory_rules_out_only_what_the_lp_finds_infeasible():
+    """`memory_rules_out` (memory rows alone, relaxed) answers before any LP: wherever it
+    rules a grouping out, the LP relaxation has no point either; here it catches every
+    grouping that cannot hold 128K-512K tokens without activation checkpointing."""
+    from hexiseq.search._relaxation import memory_rules_out
+
+    ruled_out = 0
+    for seq_k in (64, 128, 256, 512):
+        for checkpointing in (False, True):
+            problem = problem_for(three_types(), "llama3-8b", seq_k * 1024, checkpointing)
+            for degrees in (
+                {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
+                {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
+            ):
+                model, times, _ = model_and_times(problem, degrees, 64)
+                lp = model._run(model._rows(times), model.step, relaxed=True)
+                if memory_rules_out(model):
+                    ruled_out += 1
+                    assert lp is None and model.relaxed_step_s(times) is None
+                else:
+                    assert (lp is None) == (seq_k > 64 and not checkpointing)
+    assert ruled_out == 6  # 128K, 256K and 512K without the recompute, both groupings
+
+
 @pytest.mark.parametrize("slack", [None, 100])
 def test_memory_rows_come_as_blocks_equal_to_rows_added_one_by_one(slack):
     """`_phase_rows` builds each member kind's rows at once: the same entries, in the same
