@@ -21,6 +21,8 @@ cost.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from hexiseq.costmodel import memory_limit_bytes
@@ -165,38 +167,136 @@ def _memory_fits(model, units: np.ndarray) -> bool:
 
 
 def memory_rules_out(model) -> bool:
-    """Whether the memory rows alone leave the LP no point: with no state share (every
-    share's coefficient is a cost, and shares are at least zero) and the largest block as
-    small as a class's own units allow (B >= u_c + 1), the units each class's members can
-    hold fall short of its size or, over all classes, of the sequence. A relaxation of the
-    LP's rows, so a True is certain; the LP answers the rest. (At 1M tokens without
-    activation checkpointing this rules out every grouping of 16 GPUs of 8 types before
-    any LP: 8 programs of about 1.5 ms each.)"""
+    """Whether the memory rows alone leave the LP no point, by a relaxation of them: each
+    class's units are capped by its members' rows with no state share, the largest block B
+    at least one above both the class's own units and the least largest class that covers
+    the sequence under those caps (the caps and that least block tighten each other a few
+    rounds), and no class above the block every member can hold; then the model states
+    (shares summing to one over all ranks) cost units (`_share_loss`). If the units left
+    fall short of the sequence, or a class cannot hold its size, no split fits: a True is
+    certain, and the LP answers the rest. (At 1M tokens without activation checkpointing
+    it rules out every grouping of 16 GPUs of 8 types before any LP: 8 programs of about
+    1.5 ms each.)"""
+    counts = np.array([len(cls.positions) for cls in model.classes], dtype=float)
+    sizes = np.array([float(cls.size) for cls in model.classes])
+    need = model.total_units - float(counts.sum())
+    rows = [
+        [_member_rows(model, c, member) for member in members]
+        for c, members in enumerate(model.kind_members)
+    ]
+    if any(r is None for kinds in rows for r in kinds):
+        return False  # not a shape this test reasons about: ask the LP
+    largest_s = min([_largest_block(r, size) for kinds, size in zip(rows, sizes) for r in kinds])
+    least_block = 0.0
+    for _ in range(_BLOCK_ROUNDS):
+        caps = np.array([_cap(kinds, least_block) for kinds in rows])
+        if model.multi_group:
+            caps = np.minimum(caps, largest_s - 1.0)
+        if np.any(caps < sizes * (1 - 1e-9)) or counts @ caps < need * (1 - 1e-9):
+            return True
+        if not model.multi_group:
+            break
+        least_block = max(least_block, _least_largest(caps, counts, need) + 1.0)
+    if not np.all(np.isfinite(caps)):
+        return False
+    loss = _share_loss(model, rows, caps, least_block)
+    return bool(float(counts @ caps) - loss < need * (1 - 1e-9))
+
+
+_BLOCK_ROUNDS = 3
+
+
+def _member_rows(model, c: int, member: int):
+    """(per unit, per largest-block unit, per share, limit - constant) of each phase row of
+    one member kind, in bytes, with how many ranks share its column; None where a
+    coefficient is negative (a shape `memory_rules_out` does not reason about)."""
     from hexiseq.search.local_milp import _phase_arrays  # (the two modules share this)
 
-    block_units = 1.0 if model.multi_group else 0.0
-    most_units = 0.0
-    for c, members in enumerate(model.kind_members):
-        cap = np.inf
-        for member in members:
-            phases, capacity = model.memory[c][member]
-            coefficients, constants = _phase_arrays(model.problem, phases)
-            per_unit, per_largest, per_share = coefficients.T
-            if np.any(coefficients < 0):
-                return False  # not a shape this test reasons about: ask the LP
-            per_own_unit = per_unit + per_largest * block_units
-            room = memory_limit_bytes(int(capacity)) - constants - per_largest * block_units
-            if np.any((per_own_unit <= 0) & (room < 0)):
-                return True  # a row no units can satisfy
-            grows = per_own_unit > 0
-            if np.any(grows):
-                cap = min(cap, float(np.min(room[grows] / per_own_unit[grows])))
-        size = float(model.classes[c].size)
-        if cap < size * (1 - 1e-9):
-            return True
-        most_units += len(model.classes[c].positions) * cap
-    counts = sum(len(cls.positions) for cls in model.classes)
-    return most_units < (model.total_units - counts) * (1 - 1e-9)
+    phases, capacity = model.memory[c][member]
+    coefficients, constants = _phase_arrays(model.problem, phases)
+    if np.any(coefficients < 0):
+        return None
+    per_unit, per_largest, per_share = coefficients.T
+    room = memory_limit_bytes(int(capacity)) - constants
+    kinds = model.kinds[c]
+    ranks = len(model.classes[c].positions) * kinds.count(kinds[member])
+    return per_unit, per_largest * float(model.multi_group), per_share, room, ranks
+
+
+def _largest_block(rows, size: float) -> float:
+    """The largest block one member kind can hold at its class's size (no share)."""
+    per_unit, per_largest, _, room, _ = rows
+    holds = per_largest > 0
+    if not np.any(holds):
+        return np.inf
+    return float(np.min((room[holds] - per_unit[holds] * size) / per_largest[holds]))
+
+
+def _pieces(rows, least_block: float):
+    """Each phase row as two linear caps on the class's units u: with B at `least_block`,
+    and with B at u + 1 (B is at least both): (per unit, room) of each."""
+    per_unit, per_largest, _, room, _ = rows
+    return (
+        np.concatenate([per_unit, per_unit + per_largest]),
+        np.concatenate([room - per_largest * least_block, room - per_largest]),
+    )
+
+
+def _cap(kinds: list, least_block: float) -> float:
+    """The most units a class's members can hold with no state share (-inf: a row no units
+    satisfy)."""
+    cap = np.inf
+    for rows in kinds:
+        per_unit, room = _pieces(rows, least_block)
+        if np.any((per_unit <= 0) & (room < 0)):
+            return -np.inf
+        grows = per_unit > 0
+        if np.any(grows):
+            cap = min(cap, float(np.min(room[grows] / per_unit[grows])))
+    return cap
+
+
+def _least_largest(caps: np.ndarray, counts: np.ndarray, need: float) -> float:
+    """The least t with sum of count x min(cap, t) >= need: no split under `caps` covers
+    the sequence with every class below t units, so the largest block holds t + 1."""
+    order = np.argsort(caps)
+    below = 0.0  # units of the classes capped under t
+    remaining = float(counts.sum())  # classes at t
+    for i in order:
+        t = (need - below) / remaining
+        if t <= caps[i]:
+            return t
+        below += counts[i] * caps[i]
+        remaining -= counts[i]
+    return float(caps[order[-1]])
+
+
+def _share_loss(model, rows: list, caps: np.ndarray, least_block: float) -> float:
+    """A lower bound of the units the model states cost the classes at `caps`: a member
+    column takes shares for free until one of its rows would bind below the class's cap,
+    past that each share costs the class units at that row's rate (a class's members
+    losing together: the class takes shares at their combined rate), and the states (one
+    in all) fill the free room first, then go where they cost the fewest units."""
+    free_shares, cheapest = 0.0, np.inf
+    for kinds, cap, cls in zip(rows, caps, model.classes):
+        rate = 0.0  # shares per unit the class loses, its kinds together
+        for member_rows in kinds:
+            per_share = np.tile(member_rows[2], 2)
+            per_unit, room = _pieces(member_rows, least_block)
+            takes = per_share > 0
+            if not np.any(takes):
+                return 0.0  # a column that holds any share for free
+            spare = room[takes] - per_unit[takes] * cap  # bytes left under the cap's rows
+            row = int(np.argmin(spare / per_share[takes]))
+            free_shares += member_rows[4] * max(float(spare[row] / per_share[takes][row]), 0.0)
+            if per_unit[takes][row] > 0:  # else no share past the free ones fits there
+                units_per_share = per_share[takes][row] / per_unit[takes][row]
+                rate += member_rows[4] / (len(cls.positions) * units_per_share)
+        if rate > 0:
+            cheapest = min(cheapest, 1.0 / rate)
+    if free_shares >= 1.0 or not math.isfinite(cheapest):
+        return 0.0
+    return (1.0 - free_shares) * cheapest
 
 
 def busy_bound_s(model_classes, times, total_units: int) -> float:

@@ -132,6 +132,27 @@ def test_memory_rules_out_only_what_the_lp_finds_infeasible():
     assert ruled_out == 6  # 128K, 256K and 512K without the recompute, both groupings
 
 
+def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
+    """64 GPUs of 8 types at 1M tokens without the recompute: the states and every class's
+    own rows would leave room, but each class must also hold the largest class's block (the
+    ring's buffer), which the 32 GB cards cannot; memory_rules_out sees it, as the LP does.
+    At 512K every grouping fits, and nothing is ruled out."""
+    from hexiseq.search._relaxation import memory_rules_out
+
+    gpus = ["H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G"]
+    nodes = [{"name": f"n{i}", "gpu": gpu, "count": 8} for i, gpu in enumerate(gpus)]
+    cluster = Cluster.from_dict(
+        {"name": "eight-types", "nodes": nodes, "network": {"inter_node_GBps": 50}}
+    )
+    for seq_k, too_long in ((1024, True), (512, False)):
+        problem = problem_for(cluster, "llama3-8b", seq_k * 1024, checkpointing=False)
+        for degree in (1, 2, 4, 8):
+            model, times, _ = model_and_times(problem, dict.fromkeys(gpus, degree), 256)
+            lp = model._run(model._rows(times), model.step, relaxed=True)
+            assert memory_rules_out(model) is too_long
+            assert (lp is None) is too_long
+
+
 @pytest.mark.parametrize("slack", [None, 100])
 def test_memory_rows_come_as_blocks_equal_to_rows_added_one_by_one(slack):
     """`_phase_rows` builds each member kind's rows at once: the same entries, in the same
