@@ -131,10 +131,12 @@ def _worth_evaluating(
     POLISH_RING_FINALISTS rings fastest at the current quantum. Neighbours already scored
     are left out of both."""
     here, quantum = _ring_key(problem, current)
-    rings: dict[tuple, GlobalChoices] = {}  # one neighbour per distinct ring and quantum
-    for choices in found:
+    rings: dict[tuple, GlobalChoices] = {}  # one neighbour per distinct ring and quantum,
+    for choices in found:  # a scored one where there is one (its plan is known)
         if _grouping_key(choices) == _grouping_key(current):
-            rings.setdefault(_ring_key(problem, choices), choices)
+            key = _ring_key(problem, choices)
+            if key not in rings or (is_scored(choices) and not is_scored(rings[key])):
+                rings[key] = choices
     rings.pop((here, quantum), None)
     regrouped = [
         c for c in found if _grouping_key(c) != _grouping_key(current) and not is_scored(c)
