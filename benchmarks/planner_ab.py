@@ -1,0 +1,196 @@
+"""Interleaved A/B of the default `plan_search`: this tree against an earlier revision.
+
+The 2-core machine's speed drifts by 10-15 % from one hour to the next, so two
+planner_scaling runs taken at different times say little about a change. This script checks
+the earlier revision out into a temporary git worktree, imports hexiseq from there (the
+package-dir mapping of pyproject.toml), and alternates the two trees round by round, each
+round a fresh process per tree. A cell's time is the median process time of `--repeats`
+searches after one warm-up (planner_scaling's clusters, Llama-3-8B at 1M tokens, 512K where
+nothing fits); the table gives each tree's median over the rounds, the change, and whether
+the two trees' best plans run equally fast.
+
+Run: `.venv/bin/python benchmarks/planner_ab.py --baseline REV [--rounds 3] [--repeats 5]
+[CELL ...]` with cells as GPUSxTYPES (default: every cell of planner_scaling up to 128 GPUs).
+Prints the table and writes it into the "Planner A/B" section of RESULTS.md unless
+`--no-write`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.abc
+import importlib.util
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from _results import replace_section
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE_DIRS = {
+    "profiler": "profiler",
+    "costmodel": "costmodel",
+    "search": "search",
+    "runtime": "runtime",
+    "dashboard": "dashboard",
+}  # hexiseq.<name> -> its directory (pyproject.toml's package-dir)
+DEFAULT_CELLS = [f"{g}x{t}" for g in (16, 32, 64, 128) for t in (1, 2, 4, 8)]
+
+
+class _TreeFinder(importlib.abc.MetaPathFinder):
+    """Imports `hexiseq` and its sub-packages from another checkout of this repository."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def find_spec(self, name, path, target=None):
+        parts = name.split(".")
+        if parts[0] != "hexiseq":
+            return None
+        if len(parts) >= 2 and parts[1] in PACKAGE_DIRS:
+            where = self.root.joinpath(PACKAGE_DIRS[parts[1]], *parts[2:])
+        else:
+            where = self.root.joinpath(*parts)
+        if where.is_dir():
+            return importlib.util.spec_from_file_location(
+                name, where / "__init__.py", submodule_search_locations=[str(where)]
+            )
+        if where.with_suffix(".py").exists():
+            return importlib.util.spec_from_file_location(name, where.with_suffix(".py"))
+        return None
+
+
+def measure(tree: Path, cells: list[str], repeats: int) -> dict:
+    """{cell: {"seconds": median process time, "tokens_per_s": the best plan's}} with
+    hexiseq imported from `tree`."""
+    sys.meta_path.insert(0, _TreeFinder(tree))  # so both imports take `tree`'s hexiseq
+    from planner_scaling import MODEL, SEQ_LENS, build_cluster
+
+    import hexiseq
+
+    if not Path(hexiseq.__file__).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"hexiseq came from {hexiseq.__file__}, not from {tree}")
+    found = {}
+    for cell in cells:
+        gpus, types = (int(part) for part in cell.split("x"))
+        cluster = build_cluster(gpus, types)
+        seq_len, result = _fitting_search(hexiseq, cluster, MODEL, SEQ_LENS)
+        seconds = []
+        for _ in range(repeats):
+            started = time.process_time()
+            hexiseq.plan_search(cluster, MODEL, seq_len)
+            seconds.append(time.process_time() - started)
+        found[cell] = {
+            "seconds": statistics.median(seconds),
+            "tokens_per_s": result.best.predicted.tokens_per_s,
+        }
+    return found
+
+
+def _fitting_search(hexiseq, cluster, model: str, seq_lens: tuple[str, ...]):
+    """The first sequence length a plan fits at, and that (warm-up) search's result."""
+    for seq_len in seq_lens:
+        try:
+            return seq_len, hexiseq.plan_search(cluster, model, seq_len)
+        except hexiseq.InfeasibleError:
+            continue
+    raise SystemExit(f"no plan fits {cluster.name} at {', '.join(seq_lens)}")
+
+
+def run_rounds(baseline: Path, cells: list[str], rounds: int, repeats: int) -> dict:
+    """{tree name: {cell: [per-round results]}}, the trees alternating round by round."""
+    trees = {"baseline": baseline, "this tree": REPO}
+    results: dict = {name: {cell: [] for cell in cells} for name in trees}
+    for _ in range(rounds):
+        for name, tree in trees.items():
+            command = [sys.executable, __file__, "--measure", str(tree)]
+            command += ["--repeats", str(repeats), *cells]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            for cell, found in json.loads(done.stdout.splitlines()[-1]).items():
+                results[name][cell].append(found)
+    return results
+
+
+def format_table(results: dict, cells: list[str]) -> str:
+    lines = [
+        "| cell (GPUs x types) | baseline s | this tree s | change | best plan tokens/s |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for cell in cells:
+        old, new = (
+            statistics.median(r["seconds"] for r in results[name][cell])
+            for name in ("baseline", "this tree")
+        )
+        old_rate = results["baseline"][cell][0]["tokens_per_s"]
+        new_rate = results["this tree"][cell][0]["tokens_per_s"]
+        plan = "same" if old_rate == new_rate else f"{100 * (new_rate / old_rate - 1):+.2f} %"
+        lines.append(
+            f"| {cell} | {old:.3f} | {new:.3f} | {100 * (new / old - 1):+.1f} % | {plan} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("cells", nargs="*", default=DEFAULT_CELLS)
+    parser.add_argument("--baseline", help="the revision to compare against (git rev)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)  # a round's worker process
+    args = parser.parse_args(argv)
+    if args.measure is None and not args.baseline:
+        parser.error("give --baseline REV, the revision to compare this tree against")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.measure is not None:
+        print(json.dumps(measure(Path(args.measure), args.cells, args.repeats)))
+        return 0
+    revision = _git("rev-parse", "--short", args.baseline)
+    with tempfile.TemporaryDirectory() as scratch:
+        worktree = Path(scratch) / "baseline"
+        _git("worktree", "add", "--detach", str(worktree), revision)
+        try:
+            results = run_rounds(worktree, args.cells, args.rounds, args.repeats)
+        finally:
+            _git("worktree", "remove", "--force", str(worktree))
+    table = format_table(results, args.cells)
+    print(table)
+    if not args.no_write:
+        head = _git("rev-parse", "--short", "HEAD")
+        dirty = "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        command = shlex.join([".venv/bin/python", "benchmarks/planner_ab.py", *sys.argv[1:]])
+        replace_section(
+            "planner_ab",
+            "## Planner A/B (interleaved)\n\n"
+            f"Default `plan_search`, this tree ({head}{dirty}) against {revision}: "
+            f"{args.rounds} alternating rounds, a fresh process per tree each round; a "
+            f"cell's time is the median process time of {args.repeats} searches after one "
+            f"warm-up, then the median over the rounds (2 CPU cores, {stamp}). "
+            '"best plan": the change in the best plan\'s predicted throughput (same: the '
+            f"very same number).\n\n{table}\n\nProduced by `{command}`.",
+        )
+    return 0
+
+
+def _git(*args: str) -> str:
+    done = subprocess.run(
+        ["git", "-C", str(REPO), *args], capture_output=True, text=True, check=True
+    )
+    return done.stdout.strip()
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    sys.exit(main())
