@@ -48,6 +48,7 @@ TIME_TOLERANCE = 1e-4  # the headroom stage may give up this much step time
 SECANT_TOLERANCE = 1e-3  # re-linearized times this close to the last ones change nothing
 BISECTION_TOLERANCE = 1e-7  # relative width at which the integer step-time search stops
 SEARCH_POINTS = 31  # step times tried at once in each round of that search
+EVENT_STEPS = 4  # unit changes per member tried first (`_UnitRanges.changes_after`)
 
 
 @dataclass(frozen=True)
@@ -565,9 +566,11 @@ class _Model:
         """Integer units per class minimizing the step time under fixed memory ceilings:
         at a step time T each class may take between the units its ring traffic needs and
         the units its members finish by T (and its ceiling allows); the least T at which
-        those ranges can cover the sequence is searched from the LP's bound (doublings, then
-        SEARCH_POINTS times at once per round until BISECTION_TOLERANCE), and the units taken
-        at it are trimmed (slowest class first) to the sequence's length."""
+        those ranges can cover the sequence is the LP's bound or one of the step times where
+        a range changes (`_UnitRanges.changes_after`, the next EVENT_STEPS of each member),
+        all tried at once; beyond those it is searched (doublings, then SEARCH_POINTS times
+        at once per round until BISECTION_TOLERANCE). The units taken at it are trimmed
+        (slowest class first) to the sequence's length."""
         counts = np.array([len(cls.positions) for cls in self.classes], dtype=float)
         need = self.total_units - counts.sum()  # leftover units go one per group
         ranges = _UnitRanges(self, times, np.floor(ceilings + 1e-9))
@@ -581,12 +584,18 @@ class _Model:
             )
 
         start_s = max(bound_s, 1e-12)
-        doublings = start_s * 2.0 ** np.arange(64)
-        fits = np.flatnonzero(feasible(doublings))
-        if not len(fits):
-            return None
-        high_s = doublings[fits[0]]
-        low_s = doublings[fits[0] - 1] if fits[0] else bound_s * (1 - 1e-9)
+        events = ranges.changes_after(start_s, EVENT_STEPS)  # where the ranges change
+        fits = np.flatnonzero(feasible(np.concatenate([[start_s], events])))
+        if len(fits):  # the least step time is the start or a change: exact
+            high_s = start_s if fits[0] == 0 else events[fits[0] - 1]
+            low_s = high_s
+        else:
+            doublings = start_s * 2.0 ** np.arange(64)
+            fits = np.flatnonzero(feasible(doublings))
+            if not len(fits):
+                return None
+            high_s = doublings[fits[0]]
+            low_s = doublings[fits[0] - 1] if fits[0] else bound_s * (1 - 1e-9)
         while high_s - low_s > BISECTION_TOLERANCE * high_s:
             points = np.linspace(low_s, high_s, SEARCH_POINTS + 2)[1:-1]
             fits = feasible(points)
@@ -884,6 +893,26 @@ class _UnitRanges:
         busy = self.per_unit[members] * units + self.fixed[members]
         traffic = self.ring[members] * (self.total_tokens - self.block * units)
         return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
+
+    def changes_after(self, step_s: float, steps: int) -> np.ndarray:
+        """Step times above `step_s` at which some member's busy cap rises or ring need
+        falls by one unit, the next `steps` of each, sorted (each a hair above the change,
+        so evaluating there sees it): the ranges change nowhere else."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spare = step_s - self.fixed
+            busy = np.floor(np.maximum(spare, 0.0) / self.per_unit + 1e-9)
+            rises = self.fixed[:, None] + self.per_unit[:, None] * (
+                busy[:, None] + np.arange(1, steps + 1) - 1e-9
+            )
+            rises[self.per_unit <= 0] = np.inf
+            need = np.ceil((self.total_tokens - spare / self.ring) / self.block - 1e-9)
+            falls = self.fixed[:, None] + self.ring[:, None] * (
+                self.total_tokens - (need[:, None] - np.arange(1, steps + 1) + 1e-9) * self.block
+            )
+            falls[self.ring <= 0] = np.inf
+        times = np.concatenate([rises.ravel(), falls.ravel(), self.fixed])
+        times = np.unique(times[np.isfinite(times) & (times > step_s)])
+        return times * (1 + 1e-12)
 
     def at(self, step_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(lowest, highest) units per class at each step time: two [times, classes]."""

@@ -153,6 +153,31 @@ def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
             assert (lp is None) is too_long
 
 
+@pytest.mark.parametrize(
+    "degrees",
+    [
+        {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
+        {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
+        {"H100-SXM": 2, "A100-80G": 1, "L40S": 2},
+    ],
+)
+def test_the_least_step_time_from_the_ranges_changes_matches_the_bisection(degrees, monkeypatch):
+    """`_fastest_units` tries the step times where a class's unit range changes before
+    any search: the same units as the bisection finds, at a step time no longer."""
+    from hexiseq.search.local_milp import _UnitRanges
+
+    problem = problem_for(three_types(), "llama3-8b", 256 * 1024)
+    model, times, classes = model_and_times(problem, degrees, 64)
+    ceilings = np.full(len(classes), np.inf)
+    bound_s = model.relaxed_step_s(times)
+    from_changes = model._fastest_units(times, ceilings, bound_s)
+    monkeypatch.setattr(_UnitRanges, "changes_after", lambda self, s, steps: np.zeros(0))
+    bisected = model._fastest_units(times, ceilings, bound_s)
+    assert np.array_equal(from_changes, bisected)
+    ours, theirs = (model._finish_s(times, u).max() for u in (from_changes, bisected))
+    assert ours <= theirs * (1 + 1e-9)
+
+
 @pytest.mark.parametrize("slack", [None, 100])
 def test_memory_rows_come_as_blocks_equal_to_rows_added_one_by_one(slack):
     """`_phase_rows` builds each member kind's rows at once: the same entries, in the same
