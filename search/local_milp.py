@@ -90,7 +90,7 @@ def solve_local(
     moved) are solved in full: fastest time, then most headroom, then state shares."""
     classes = _classes(problem, groups, heads)
     total_units = problem.train.seq_len // (2 * quantum)
-    model = _Model(problem, groups, heads, classes, quantum)
+    model = _model_of(problem, groups, heads, quantum)
     if rates is not None:
         times = _class_times(classes, rates, quantum)
     else:
@@ -141,8 +141,26 @@ def relaxed_step_s(
     """The LP relaxation's busy step seconds for these groups under `rates` (a lower bound of
     the local MILP's), or None when no split fits in memory."""
     classes = _classes(problem, groups, heads)
-    model = _Model(problem, groups, heads, classes, quantum)
+    model = _model_of(problem, groups, heads, quantum)
     return model.relaxed_step_s(_class_times(classes, rates, quantum))
+
+
+def memory_rules_out_groups(
+    problem: Problem, groups: list[Group], heads: list[list[int]], quantum: int
+) -> bool:
+    """Whether memory alone leaves these groups no split (`_relaxation.memory_rules_out`,
+    certain where True): asked before their busy rates are probed."""
+    return _model_of(problem, groups, heads, quantum)._memory_rules_out()
+
+
+def _model_of(problem: Problem, groups: list[Group], heads, quantum: int) -> _Model:
+    """The local stage's model of these groups, head split and quantum, once per search
+    (the screen's bound and estimate and the full evaluation ask for the same one; a model
+    is not changed once built)."""
+    key = ("model", problem.train, tuple(groups), tuple(map(tuple, heads)), quantum)
+    return problem.memo(
+        key, lambda: _Model(problem, groups, heads, _classes(problem, groups, heads), quantum)
+    )
 
 
 def busy_bound_s(

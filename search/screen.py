@@ -39,6 +39,7 @@ from hexiseq.search.local_milp import (
     GroupRates,
     busy_bound_s,
     even_layout,
+    memory_rules_out_groups,
     rates_of,
     relaxed_step_s,
 )
@@ -177,13 +178,16 @@ def _estimate_s(problem: Problem, choices: GlobalChoices) -> float:
 
 def _priced(problem: Problem, choices: GlobalChoices) -> tuple | None:
     """(problem with the choices' checkpointing, groups, heads, quantum, busy rates): what
-    the estimate and its bound price; None when the sequence cannot be laid out."""
+    the estimate and its bound price; None when the sequence cannot be laid out or memory
+    alone rules the groups out."""
     problem = with_checkpointing(problem, choices.activation_checkpointing)
     quantum = resolved_quantum(problem, choices)
     seq_len = problem.train.seq_len
     if seq_len % (2 * quantum) or problem.cluster.world_size * 2 * quantum > seq_len:
         return None
     groups, heads = grouping(problem, choices)
+    if memory_rules_out_groups(problem, groups, heads, quantum):
+        return None  # nothing fits: no rates to probe for
     rates = group_rates(problem, groups, heads, quantum)
     return None if rates is None else (problem, groups, heads, quantum, rates)
 
