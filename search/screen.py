@@ -186,8 +186,10 @@ def _priced(problem: Problem, choices: GlobalChoices) -> tuple | None:
     if seq_len % (2 * quantum) or problem.cluster.world_size * 2 * quantum > seq_len:
         return None
     groups, heads = grouping(problem, choices)
-    if memory_rules_out_groups(problem, groups, heads, quantum):
-        return None  # nothing fits: no rates to probe for
+    known = _known_rates(problem)
+    unknown = any(group not in known for group in groups)
+    if unknown and memory_rules_out_groups(problem, groups, heads, quantum):
+        return None  # nothing fits: no rates to probe for (a probe is a simulation)
     rates = group_rates(problem, groups, heads, quantum)
     return None if rates is None else (problem, groups, heads, quantum, rates)
 
