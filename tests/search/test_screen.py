@@ -128,3 +128,15 @@ def test_no_checkpointed_descent_where_every_pick_fits_without_recompute():
     assert not checkpointed
     tight = paper_problem(1024 * 1024)
     assert any(c.activation_checkpointing for c in shortlist(tight, [256, 512, 1024]))
+
+
+def test_groups_that_memory_rules_out_are_infeasible_without_a_probe():
+    """30B at 256K on 16 GPUs cannot run without activation checkpointing: the screen says
+    so from the memory rows alone, before simulating a probe for busy rates; with the
+    recompute the same groups are probed and priced."""
+    problem = paper_problem()
+    for degrees in ({"H100-SXM": 8, "A100-80G": 8}, {"H100-SXM": 1, "A100-80G": 1}):
+        assert estimate_s(problem, GlobalChoices(degrees, "bandwidth", 128, False)) == math.inf
+    assert simulations(problem) == 0
+    checkpointed = GlobalChoices({"H100-SXM": 8, "A100-80G": 8}, "bandwidth", 128, True)
+    assert math.isfinite(estimate_s(problem, checkpointed)) and simulations(problem) == 1
