@@ -41,6 +41,14 @@ def three_types() -> Cluster:
     )
 
 
+THREE_TYPE_DEGREES = [
+    {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
+    {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
+    {"H100-SXM": 2, "A100-80G": 1, "L40S": 2},
+]
+"""HP degrees per type of `three_types()`: all ones, whole nodes, and a mix."""
+
+
 def model_and_times(problem: Problem, degrees: dict, quantum: int):
     groups, heads = grouping(problem, GlobalChoices(degrees, "bandwidth", quantum))
     classes = _classes(problem, groups, heads)
@@ -49,14 +57,7 @@ def model_and_times(problem: Problem, degrees: dict, quantum: int):
     return _Model(problem, groups, heads, classes, quantum), times, classes
 
 
-@pytest.mark.parametrize(
-    "degrees",
-    [
-        {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
-        {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
-        {"H100-SXM": 2, "A100-80G": 1, "L40S": 2},
-    ],
-)
+@pytest.mark.parametrize("degrees", THREE_TYPE_DEGREES)
 def test_exact_integer_units_match_branch_and_bound(degrees):
     """Where memory does not bind, the one-dimensional integer search finds the MILP's own
     optimum (HiGHS branch and bound with a 1e-6 gap)."""
@@ -72,14 +73,7 @@ def test_exact_integer_units_match_branch_and_bound(degrees):
     assert bound <= finish * (1 + 1e-9)  # the relaxation bounds it from below
 
 
-@pytest.mark.parametrize(
-    "degrees",
-    [
-        {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
-        {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
-        {"H100-SXM": 2, "A100-80G": 1, "L40S": 2},
-    ],
-)
+@pytest.mark.parametrize("degrees", THREE_TYPE_DEGREES)
 def test_the_linearization_point_without_an_lp_is_as_fast_as_the_lps(degrees, monkeypatch):
     """Where memory does not bind, `fastest_units` takes its units without an LP: a split
     that covers the sequence, fits with even state shares, and runs as fast under the
@@ -153,14 +147,7 @@ def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
             assert (lp is None) is too_long
 
 
-@pytest.mark.parametrize(
-    "degrees",
-    [
-        {"H100-SXM": 1, "A100-80G": 1, "L40S": 1},
-        {"H100-SXM": 4, "A100-80G": 3, "L40S": 2},
-        {"H100-SXM": 2, "A100-80G": 1, "L40S": 2},
-    ],
-)
+@pytest.mark.parametrize("degrees", THREE_TYPE_DEGREES)
 def test_the_least_step_time_from_the_ranges_changes_matches_the_bisection(degrees, monkeypatch):
     """`_fastest_units` tries the step times where a class's unit range changes before
     any search: the same units as the bisection finds, at a step time no longer."""
