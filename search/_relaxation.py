@@ -275,14 +275,15 @@ def _kind_rows(problem, phases, capacity: float):
     """(per unit, per largest-block unit, per share, limit - constant) of a member kind's
     phase rows, once per search (its phases are kept once per search, so their identity
     names them); None where a coefficient is negative."""
-    key = ("kind rows", id(phases), capacity)
-    if key not in problem.cache:
-        from hexiseq.search.local_milp import _phase_arrays  # (the two modules share it)
+    from hexiseq.search.local_milp import _phase_arrays  # (the two modules share it)
 
+    def rows():
         coefficients, constants = _phase_arrays(problem, phases)
-        rows = (*coefficients.T, memory_limit_bytes(int(capacity)) - constants)
-        problem.cache[key] = None if np.any(coefficients < 0) else rows
-    return problem.cache[key]
+        if np.any(coefficients < 0):
+            return None
+        return (*coefficients.T, memory_limit_bytes(int(capacity)) - constants)
+
+    return problem.memo(("kind rows", id(phases), capacity), rows)
 
 
 def _least_largest(caps: np.ndarray, counts: np.ndarray, need: float) -> float:
