@@ -112,7 +112,10 @@ def run_rounds(baseline: Path, cells: list[str], rounds: int, repeats: int) -> d
         for name, tree in trees.items():
             command = [sys.executable, __file__, "--measure", str(tree)]
             command += ["--repeats", str(repeats), *cells]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise SystemExit(f"measuring {name} ({tree}) failed: {last}")
             for cell, found in json.loads(done.stdout.splitlines()[-1]).items():
                 results[name][cell].append(found)
     return results
@@ -148,6 +151,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.measure is None and not args.baseline:
         parser.error("give --baseline REV, the revision to compare this tree against")
+    for cell in args.cells:
+        gpus, _, types = cell.partition("x")
+        if not (gpus.isdigit() and types.isdigit()):
+            parser.error(f"cell {cell!r}: give GPUSxTYPES, as 16x4 (planner_scaling's cells)")
+    if args.rounds < 1 or args.repeats < 1:
+        parser.error("--rounds and --repeats take 1 or more")
     return args
 
 
@@ -156,7 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure is not None:
         print(json.dumps(measure(Path(args.measure), args.cells, args.repeats)))
         return 0
-    revision = _git("rev-parse", "--short", args.baseline)
+    try:
+        revision = _git("rev-parse", "--short", "--verify", f"{args.baseline}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(
+            f"--baseline {args.baseline!r} is not a revision of this repository"
+        ) from None
     with tempfile.TemporaryDirectory() as scratch:
         worktree = Path(scratch) / "baseline"
         _git("worktree", "add", "--detach", str(worktree), revision)

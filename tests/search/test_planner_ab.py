@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from planner_ab import format_table  # noqa: E402
+from planner_ab import format_table, main  # noqa: E402
 
 
 def test_a_round_measures_the_tree_it_is_given(tmp_path):
@@ -50,3 +52,12 @@ def test_the_table_gives_medians_over_rounds_and_whether_plans_changed():
     }
     row = format_table(rounds, ["16x2"]).splitlines()[-1]
     assert row == "| 16x2 | 0.300 | 0.150 | -50.0 % | +1.00 % |"
+
+
+def test_bad_input_gets_one_line_naming_what_is_allowed(capsys):
+    with pytest.raises(SystemExit) as cell:
+        main(["--baseline", "HEAD", "16x"])
+    assert cell.value.code == 2 and "GPUSxTYPES" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as revision:
+        main(["--baseline", "no-such-revision", "16x1"])
+    assert "is not a revision of this repository" in str(revision.value.code)
