@@ -12,6 +12,7 @@ them as fast as the GPU finishes them (eager PyTorch dispatches one op at a time
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -76,9 +77,7 @@ class DatasheetCostModel:
         calls: FloatOrArray = 1,
         kernel: str | None = None,
     ) -> FloatOrArray:
-        spec = gpu_spec(gpu)
-        kernel = kernel or attention_kernel(gpu, training_dtype(gpu), head_dim)
-        return pairs * heads * attention_seconds_per_pair_head(spec, kernel, head_dim, backward)
+        return pairs * heads * _pair_head_seconds(gpu, kernel, head_dim, backward)
 
     def memory_bound_time_s(
         self, gpu: str, bytes_moved: FloatOrArray, *, calls: FloatOrArray = 1
@@ -121,6 +120,15 @@ def declared_link_parameters(cluster: Cluster) -> tuple[np.ndarray, np.ndarray]:
         bandwidth[i, i] = node.intra_node_GBps
         latency[i, i] = gpu_spec(node.gpu).intra_node_latency_us * 1e-6
     return bandwidth, latency
+
+
+@lru_cache(maxsize=1024)
+def _pair_head_seconds(gpu: str, kernel: str | None, head_dim: int, backward: bool) -> float:
+    """`attention_seconds_per_pair_head` of a catalog GPU and its kernel (the kernel rule's
+    where None): the catalog is read once, so this is computed once per such shape (a step
+    simulation asks for it per GPU model, ring step table and pass)."""
+    kernel = kernel or attention_kernel(gpu, training_dtype(gpu), head_dim)
+    return attention_seconds_per_pair_head(gpu_spec(gpu), kernel, head_dim, backward)
 
 
 def attention_seconds_per_pair_head(

@@ -67,6 +67,37 @@ class LocalSolution:
 
 
 @dataclass(frozen=True)
+class _GrowingRows:
+    """The memory rows of every member kind that grow with its class's units (`_Model`'s
+    unit ceilings), stacked: [row] coefficients of (u_c, B, f_cm) in bytes, the bytes left
+    under the limit by the constant, the class and the state-share column of each row."""
+
+    per_unit: np.ndarray
+    per_largest: np.ndarray
+    per_share: np.ndarray
+    room: np.ndarray
+    owner: np.ndarray
+    share: np.ndarray
+
+    @classmethod
+    def of(cls, model: _Model) -> _GrowingRows:
+        parts: list[list] = [[] for _ in range(6)]
+        for c, members in enumerate(model.kind_members):
+            for member in members:
+                phases, capacity = model.memory[c][member]
+                coefficients, constants = _phase_arrays(model.problem, phases)
+                grows = coefficients[:, 0] > 0
+                count = int(np.count_nonzero(grows))
+                for part, column in zip(parts, coefficients[grows].T):
+                    part.append(column)
+                parts[3].append(memory_limit_bytes(int(capacity)) - constants[grows])
+                parts[4].append(np.full(count, c))
+                parts[5].append(np.full(count, int(model.f[c][member])))
+        arrays = [np.concatenate(part) if part else np.zeros(0) for part in parts]
+        return cls(*arrays[:4], arrays[4].astype(int), arrays[5].astype(int))
+
+
+@dataclass(frozen=True)
 class _Class:
     """Interchangeable groups: their ring positions and their (shared) member heads."""
 
@@ -737,22 +768,20 @@ class _Model:
         """Per class, the most units its members' memory allows with the state shares of `x`
         and a largest block one unit above its largest class rounded down (so any class may
         round up), and across groups below that block."""
-        ceilings = np.full(len(self.classes), np.inf)
         largest = np.floor(np.max(x[self.u]) + 1e-9) + 2.0
-        for c in range(len(self.classes)):
-            for member in self.kind_members[c]:
-                phases, capacity = self.memory[c][member]
-                coefficients, constants = _phase_arrays(self.problem, phases)
-                per_unit, per_largest, per_share = coefficients.T
-                grows = per_unit > 0
-                if not np.any(grows):
-                    continue
-                room = memory_limit_bytes(int(capacity)) - constants[grows]
-                room -= per_largest[grows] * largest + per_share[grows] * x[self.f[c][member]]
-                ceilings[c] = min(ceilings[c], float(np.min(room / per_unit[grows])))
-            if self.multi_group:
-                ceilings[c] = min(ceilings[c], largest - 1.0)
+        rows = self._growing_rows()
+        ceilings = np.full(len(self.classes), np.inf)
+        if len(rows.owner):
+            room = rows.room - (rows.per_largest * largest + rows.per_share * x[rows.share])
+            np.minimum.at(ceilings, rows.owner, room / rows.per_unit)
+        if self.multi_group:
+            ceilings = np.minimum(ceilings, largest - 1.0)
         return ceilings
+
+    def _growing_rows(self) -> _GrowingRows:
+        """Every member kind's memory rows that grow with its class's units, stacked (once
+        per grouping, head split and quantum in a search)."""
+        return self.problem.memo(self._key("growing rows"), lambda: _GrowingRows.of(self))
 
     def _objective(self, column: int) -> np.ndarray:
         objective = np.zeros(self.size)
