@@ -545,22 +545,28 @@ class _Model:
         fastest = self._relaxed(times)
         return None if fastest is None else float(fastest[self.step])
 
-    def _rows(self, times) -> _Rows:
+    def _rows(self, times, utilization: bool = True) -> _Rows:
         rows = _Rows()
         self._time_rows(rows, times)
-        rows.extend(self._fixed_rows())
+        rows.extend(self._fixed_rows(utilization))
         return rows
 
-    def _fixed_rows(self) -> _Block:
+    def _fixed_rows(self, utilization: bool = True) -> _Block:
         """The sum and memory rows, which do not depend on the times: built once per groups,
         heads and quantum in a search (every program of the screen and the local stage for
-        that grouping shares them)."""
-        key = self._key("fixed rows")
+        that grouping shares them). Without `utilization`, the memory limit rows alone: the
+        utilization rows bind nothing but the utilization column, so a program that does
+        not minimize it (the fastest step time) solves to the same optimum without them,
+        on half the rows."""
+        key = self._key("fixed rows" if utilization else "fixed limit rows")
 
         def build() -> _Block:
             rows = _Rows()
             self._sum_rows(rows)
-            self._memory_rows(rows, slack=None)
+            if utilization:
+                self._memory_rows(rows, slack=None)
+            else:
+                self._limit_rows(rows)
             return rows.block()
 
         return self.problem.memo(key, build)
@@ -577,7 +583,7 @@ class _Model:
             return None
         key = (*self._key("relaxed"), _times_key(times))
         return self.problem.memo(
-            key, lambda: self._run(self._rows(times), self.step, relaxed=True)
+            key, lambda: self._run(self._rows(times, utilization=False), self.step, relaxed=True)
         )
 
     def _memory_rules_out(self) -> bool:
@@ -585,10 +591,10 @@ class _Model:
         return self.problem.memo(self._key("memory rules out"), lambda: memory_rules_out(self))
 
     def _branch_and_bound(self, times: list[np.ndarray]):
-        rows = self._rows(times)
-        fastest = self._run(rows, self.step)
+        fastest = self._run(self._rows(times, utilization=False), self.step)
         if fastest is None:
             return None
+        rows = self._rows(times)
         rows.add({self.step: 1.0}, -np.inf, fastest[self.step] * (1 + TIME_TOLERANCE))
         roomiest = self._run(rows, self.utilization)
         return self._answer(roomiest if roomiest is not None else fastest)
@@ -739,6 +745,24 @@ class _Model:
             row_of, column_of, values, upper = _stacked_blocks(blocks)
             rows.add_block(row_of, column_of, values, np.full(len(upper), -np.inf), upper)
         return slacks
+
+    def _limit_rows(self, rows) -> None:
+        """The memory limit rows alone (`_memory_rows` without utilization), as one block."""
+        blocks = []
+        for c, members in enumerate(self.kind_members):
+            for member in members:
+                phases, capacity = self.memory[c][member]
+                columns = (int(self.u[c]), self.largest, int(self.f[c][member]))
+                coefficients, constants = _phase_arrays(self.problem, phases)
+                limits = (memory_limit_bytes(int(capacity)) - constants) / capacity
+                count = len(constants)
+                row_of = np.repeat(np.arange(count), 3)
+                blocks.append(
+                    (row_of, np.tile(columns, count), (coefficients / capacity).ravel(), limits)
+                )
+        if blocks:
+            row_of, column_of, values, upper = _stacked_blocks(blocks)
+            rows.add_block(row_of, column_of, values, np.full(len(upper), -np.inf), upper)
 
     def _member_memory(self, cls: _Class):
         """For each member: each phase of its peak memory as an affine function of (u_c, B,

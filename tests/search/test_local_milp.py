@@ -126,6 +126,43 @@ def test_memory_rules_out_only_what_the_lp_finds_infeasible():
     assert ruled_out == 6  # 128K, 256K and 512K without the recompute, both groupings
 
 
+@pytest.mark.parametrize("integer", [False, True])
+def test_the_fastest_step_needs_no_utilization_rows(integer):
+    """The fastest-step programs (the relaxation and branch and bound's first MILP) leave
+    the utilization rows out: they bind only the utilization column, which those programs
+    do not minimize, so the optimum is the same on fewer rows, whether memory binds, is
+    slack or leaves nothing feasible."""
+    cases = [
+        (three_types(), "llama3-8b", seq_k, checkpointing, degrees)
+        for seq_k in (64, 256)
+        for checkpointing in (False, True)
+        for degrees in THREE_TYPE_DEGREES
+    ]
+    cases += [
+        (big_and_small(), "llama2-13b", 512, True, {"H100-SXM": 1, "RTX-4090": 1}),
+        (big_and_small(), "llama2-13b", 256, True, {"H100-SXM": 8, "RTX-4090": 8}),
+    ]
+    seen = set()
+    for cluster, model_name, seq_k, checkpointing, degrees in cases:
+        problem = problem_for(cluster, model_name, seq_k * 1024, checkpointing)
+        model, times, _ = model_and_times(problem, degrees, 64)
+        full = model._run(model._rows(times), model.step, relaxed=not integer)
+        limits = model._run(model._rows(times, utilization=False), model.step, relaxed=not integer)
+        objective = model._objective(model.step)
+        programs = [
+            model._rows(times, utilization=u).program(objective, *model._bounds())
+            for u in (True, False)
+        ]
+        assert len(programs[1].row_lower) < len(programs[0].row_lower)
+        assert (full is None) == (limits is None)
+        if full is None:
+            seen.add("infeasible")
+            continue
+        seen.add("slack" if model._unconstrained(times) is not None else "memory binds")
+        assert limits[model.step] == pytest.approx(full[model.step], rel=1e-7)
+    assert seen == {"infeasible", "slack", "memory binds"}
+
+
 def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
     """64 GPUs of 8 types at 1M tokens without the recompute: the states and every class's
     own rows would leave room, but each class must also hold the largest class's block (the
