@@ -6,7 +6,7 @@ memory. The runs are interleaved (1, 2, 1, 2, ...: a slow spell of the machine h
 each cell is the median wall time of REPEATS runs. "complete" counts the stored study's
 completed trials (must equal T) and "other" its trials in any other state (must be 0).
 The CPU seconds are this process's (the sampling, the stored study's writes and, with one
-worker, the scoring); spawned workers pay their own imports and scoring on top.
+worker, the scoring); the workers (forked on Linux) pay their scoring on top.
 
 Run: `.venv/bin/python benchmarks/search_workers.py [--no-write]` (prints the table and
 updates the "Search workers" section of benchmarks/RESULTS.md).

@@ -25,9 +25,11 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import gc
 import multiprocessing
 import os
 import signal
+import sys
 import time
 import uuid
 from concurrent.futures import (
@@ -44,6 +46,18 @@ import optuna
 from hexiseq.search.objective import Objective
 from hexiseq.search.options import SearchOptions
 
+WORKER_START = "fork" if sys.platform.startswith("linux") else "spawn"
+"""How scoring workers start. On Linux they are forked: a worker is ready in milliseconds
+with this process's modules imported. A spawned worker imports hexiseq anew (0.8 s of CPU
+each on this 2-core machine, beside the sampling process): with it, 2 workers took 2.65 s
+for a 200-trial search one worker ran in 2.10 s, forked 1.77 s against 2.11 s
+(`benchmarks/search_workers.py`'s case). The problem goes to a worker with an empty cache
+even so: one that kept the search's caches ran slower (2.14 s), its reads copying the pages
+they touch. Elsewhere (macOS's system libraries are not safe to fork) workers are spawned.
+The workers fork at the first trial sent, before the study writer's thread starts (at the
+first finished trial); a worker runs no thread but its own and touches nothing another
+thread may hold (a progress bar's, the caller's), and HiGHS's thread pool restarts in it
+(`search._highs`)."""
 SYNC_S = 5.0
 """How often the mirror takes in the trials other processes finished in the stored study."""
 WRITER_ATTR = "hexiseq_writer"
@@ -147,7 +161,7 @@ def _sample_with_workers(
     """Ask and tell here, score in `options.workers` processes, write in a thread (module
     docstring)."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context(WORKER_START)
     problem = dataclasses.replace(objective.problem, cache={})  # small: no wait on a pipe
     arguments = (problem, objective.multi_objective)
     with contextlib.ExitStack() as stack:
@@ -318,6 +332,7 @@ _objective: Objective | None = None
 
 def _start_scorer(problem, multi_objective: bool) -> None:
     global _objective
+    gc.freeze()  # what a forked worker inherits stays out of its collections (and unshared)
     os.nice(SCORER_NICENESS)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the searching process's to handle
     _objective = Objective(problem, multi_objective)
