@@ -32,6 +32,7 @@ import signal
 import sys
 import time
 import uuid
+import warnings
 from concurrent.futures import (
     FIRST_COMPLETED,
     Future,
@@ -49,15 +50,16 @@ from hexiseq.search.options import SearchOptions
 WORKER_START = "fork" if sys.platform.startswith("linux") else "spawn"
 """How scoring workers start. On Linux they are forked: a worker is ready in milliseconds
 with this process's modules imported. A spawned worker imports hexiseq anew (0.8 s of CPU
-each on this 2-core machine, beside the sampling process): with it, 2 workers took 2.65 s
-for a 200-trial search one worker ran in 2.10 s, forked 1.77 s against 2.11 s
-(`benchmarks/search_workers.py`'s case). The problem goes to a worker with an empty cache
-even so: one that kept the search's caches ran slower (2.14 s), its reads copying the pages
+each on this 2-core machine, beside the sampling process): spawned, 2 workers ran a
+200-trial search in memory at 0.84x the speed of one; forked, at 1.16x (`benchmarks/
+search_workers.py`). The problem goes to a worker with an empty cache even so: one that
+kept the search's caches ran slower (2.14 s against 1.77 s), its reads copying the pages
 they touch. Elsewhere (macOS's system libraries are not safe to fork) workers are spawned.
 The workers fork at the first trial sent, before the study writer's thread starts (at the
-first finished trial); a worker runs no thread but its own and touches nothing another
-thread may hold (a progress bar's, the caller's), and HiGHS's thread pool restarts in it
-(`search._highs`)."""
+first finished trial). Other threads may run then (tqdm's monitor of a progress bar,
+HiGHS's pool, the caller's): a worker only scores (no output, no store, no progress bar),
+takes none of their locks, and starts a HiGHS pool of its own (`search._highs`)."""
+_FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
 SYNC_S = 5.0
 """How often the mirror takes in the trials other processes finished in the stored study."""
 WRITER_ATTR = "hexiseq_writer"
@@ -264,9 +266,18 @@ class _Queue:
         elif key in self.waiting:
             self.running[self.waiting[key]][1].append(trial)
         else:
-            future = self.pool.submit(_score, trial.params)
+            future = self._submit(trial.params)
             self.running[future] = (key, [trial])
             self.waiting[key] = future
+
+    def _submit(self, params: dict) -> Future:
+        """`_score(params)` in a worker. The first submit forks the workers (`WORKER_START`):
+        Python 3.12 on warns at any fork of a process that runs threads, which this one may
+        (`WORKER_START` says why the workers are safe); the warning, on stderr wherever
+        deprecation warnings are shown (pytest, `-W default`), is left out."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", _FORK_WARNING, DeprecationWarning)
+            return self.pool.submit(_score, params)
 
     def tell_finished(self) -> None:
         """Wait for a worker to finish, and tell the study what came back."""
@@ -332,7 +343,7 @@ _objective: Objective | None = None
 
 def _start_scorer(problem, multi_objective: bool) -> None:
     global _objective
-    gc.freeze()  # what a forked worker inherits stays out of its collections (and unshared)
+    gc.freeze()  # what a forked worker inherits stays out of its collections (and shared)
     os.nice(SCORER_NICENESS)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the searching process's to handle
     _objective = Objective(problem, multi_objective)

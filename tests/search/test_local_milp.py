@@ -11,6 +11,7 @@ from hexiseq.search._evaluate import Problem, memory_shortfall, simulated
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.local_milp import (
+    MILP_RELATIVE_GAP,
     _class_times,
     _classes,
     _Model,
@@ -153,14 +154,79 @@ def test_the_fastest_step_needs_no_utilization_rows(integer):
             model._rows(times, utilization=u).program(objective, *model._bounds())
             for u in (True, False)
         ]
-        assert len(programs[1].row_lower) < len(programs[0].row_lower)
+        utilization_rows = sum(
+            len(model.memory[c][member][0]) for c, kind in enumerate(model.kind_members)
+            for member in kind
+        )  # fmt: skip
+        assert len(programs[0].row_lower) - len(programs[1].row_lower) == utilization_rows
         assert (full is None) == (limits is None)
         if full is None:
             seen.add("infeasible")
             continue
         seen.add("slack" if model._unconstrained(times) is not None else "memory binds")
-        assert limits[model.step] == pytest.approx(full[model.step], rel=1e-7)
+        # an LP's optimum is exact; a MILP's within the gap it stops at
+        tolerance = MILP_RELATIVE_GAP if integer else 1e-9
+        assert limits[model.step] == pytest.approx(full[model.step], rel=tolerance)
     assert seen == {"infeasible", "slack", "memory binds"}
+
+
+def test_limit_rows_are_the_memory_rows_but_utilization():
+    """`_limit_rows` (the fastest-step programs' memory rows) are `_memory_rows`'s limit
+    rows, every other one: the same entries, columns and bounds, no utilization column."""
+    from hexiseq.search.local_milp import _Rows
+
+    for degrees in THREE_TYPE_DEGREES:
+        problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
+        model, _, _ = model_and_times(problem, degrees, 64)
+        full, limits = _Rows(), _Rows()
+        model._memory_rows(full, slack=None)
+        model._limit_rows(limits)
+        rows, columns, values = full._entries()
+        kept = rows % 2 == 0  # each phase: its limit row, then its utilization row
+        assert len(limits.upper) == len(full.upper) // 2 > 0
+        assert limits.upper == full.upper[::2] and set(limits.lower) == {-np.inf}
+        ours = limits._entries()
+        assert np.array_equal(ours[0], rows[kept] // 2)
+        assert np.array_equal(ours[1], columns[kept]) and np.array_equal(ours[2], values[kept])
+        assert model.utilization not in set(ours[1].tolist())
+
+
+def _ceilings_one_kind_at_a_time(model, x) -> np.ndarray:
+    """`_Model._unit_ceilings` worked out member kind by member kind (the reference)."""
+    from hexiseq.costmodel import memory_limit_bytes
+    from hexiseq.search.local_milp import _phase_arrays
+
+    ceilings = np.full(len(model.classes), np.inf)
+    largest = np.floor(np.max(x[model.u]) + 1e-9) + 2.0
+    for c, members in enumerate(model.kind_members):
+        for member in members:
+            phases, capacity = model.memory[c][member]
+            coefficients, constants = _phase_arrays(model.problem, phases)
+            per_unit, per_largest, per_share = coefficients[coefficients[:, 0] > 0].T
+            room = memory_limit_bytes(int(capacity)) - constants[coefficients[:, 0] > 0]
+            room = room - (per_largest * largest + per_share * x[model.f[c][member]])
+            ceilings[c] = min([ceilings[c], *(room / per_unit)])
+        if model.multi_group:
+            ceilings[c] = min(ceilings[c], largest - 1.0)
+    return ceilings
+
+
+@pytest.mark.parametrize("degrees", THREE_TYPE_DEGREES)
+def test_unit_ceilings_are_each_member_kinds_least_room(degrees):
+    """The unit ceilings, from every growing memory row at once, are what each member kind's
+    rows allow worked out one kind at a time, to the bit, at random units and shares."""
+    rng = np.random.default_rng(7)
+    for seq_k, checkpointing in ((64, False), (256, True)):
+        problem = problem_for(three_types(), "llama3-8b", seq_k * 1024, checkpointing)
+        model, _, _ = model_and_times(problem, degrees, 64)
+        for _ in range(10):
+            x = np.zeros(model.size)
+            x[model.u] = rng.uniform(1, model.total_units / 4, len(model.u))
+            shares = np.concatenate(model.f)
+            x[shares] = rng.uniform(0, 1, len(shares))
+            expected = _ceilings_one_kind_at_a_time(model, x)
+            assert np.isfinite(expected).any()
+            assert np.array_equal(model._unit_ceilings(x), expected)
 
 
 def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
