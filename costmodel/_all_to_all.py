@@ -12,6 +12,7 @@ import numpy as np
 
 from hexiseq.costmodel._state import Ledger, SimContext
 from hexiseq.costmodel._traffic import batched_all_to_all_bytes
+from hexiseq.layout import AttentionLayout
 
 
 def all_to_all(
@@ -39,7 +40,7 @@ class _Fan:
 
     def __init__(self, context: SimContext) -> None:
         self.context = context
-        members, real = _padded_members(context)
+        members, real = context.structural("padded members", _padded_members)
         self.tokens = np.where(real, context.tokens[members], 0).astype(np.float64)
         self.heads = np.where(real, context.heads[members], 0).astype(np.float64)
         self.kv_heads = np.where(real, context.kv_heads[members], 0).astype(np.float64)
@@ -88,10 +89,14 @@ class _Fan:
         return np.where(has_remote, np.maximum(local_s, remote_s), local_s)
 
 
-def _padded_members(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
-    """[group, slot] member ranks (padding repeats the first member) and which are real."""
-    groups = context.layout.groups
+def _padded_members(layout: AttentionLayout) -> tuple[np.ndarray, np.ndarray]:
+    """[group, slot] member ranks (padding repeats the first member) and which are real (once
+    per groups among the simulations that share their tables, `SimContext.structural`)."""
+    groups = layout.groups
     width = max(len(members) for members in groups)
     padded = [list(members) + [members[0]] * (width - len(members)) for members in groups]
     real = np.arange(width)[None, :] < np.array([len(m) for m in groups])[:, None]
-    return np.array(padded, dtype=np.int64), real
+    members = np.array(padded, dtype=np.int64)
+    for shared in (members, real):
+        shared.setflags(write=False)
+    return members, real

@@ -45,7 +45,7 @@ class SimContext:
     train: TrainSpec
     layout: AttentionLayout
     cost: CostModel
-    gpus: list[str]  # [rank] GPU model
+    gpus: tuple[str, ...]  # [rank] GPU model
     ranks_by_gpu: dict[str, np.ndarray]  # GPU model -> its ranks, models in order of appearance
     node_of: np.ndarray  # [rank] index into cluster.nodes
     bandwidth_GBps: np.ndarray  # [node, node] one-direction link bandwidth per GPU
@@ -100,9 +100,7 @@ def make_context(
     """Gather the per-rank facts of `layout` on `cluster` once (O(N), no rank-by-rank lookups).
 
     The link matrices come from `cost.link_parameters` (a fitted model's measured links)."""
-    devices = cluster.devices
-    gpus = [d.gpu for d in devices]
-    node_index = {node.name: i for i, node in enumerate(cluster.nodes)}
+    gpus = cluster.rank_gpus
     bandwidth_GBps, latency_s = cost.link_parameters(cluster)
     return SimContext(
         cluster=cluster,
@@ -111,11 +109,11 @@ def make_context(
         layout=layout,
         cost=cost,
         gpus=gpus,
-        ranks_by_gpu=_ranks_by_gpu(tuple(gpus)),
-        node_of=np.array([node_index[d.node] for d in devices], dtype=np.int64),
+        ranks_by_gpu=_ranks_by_gpu(gpus),
+        node_of=np.array(cluster.node_indices, dtype=np.int64),
         bandwidth_GBps=bandwidth_GBps,
         latency_s=latency_s,
-        slowdown=np.array([d.compute_slowdown for d in devices]),
+        slowdown=np.array(cluster.compute_slowdowns),
         shared={} if shared is None else shared,
         **_layout_arrays(layout),
     )

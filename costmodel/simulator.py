@@ -306,20 +306,19 @@ def _domain_collective_time(
     else:
         off_diagonal = ~np.eye(len(bandwidth), dtype=bool)
         slowest_GBps, latency_s = bandwidth[off_diagonal].min(), latency[0, 1]
-    largest_missing = max(1.0 - f for f in fractions) * total_bytes
+    largest_missing = (1.0 - min(fractions)) * total_bytes  # = max(1 - f): 1 - f is monotone
     return float(context.cost.transfer_time_s(largest_missing, slowest_GBps, latency_s))
 
 
 def _prediction(
     context: SimContext, ledger: Ledger, step_time_s: float, fractions: list[float]
 ) -> StepPrediction:
-    calibrations = memory_calibrations(context.cost, context.gpus)
+    calibrations = memory_calibrations(context.cost, context.ranks_by_gpu)
     memory = estimate_memory(
         context.cluster, context.model, context.train, context.layout, fractions, calibrations
     )
     # By rank, not by GPU type: a CPU test node may set its own `memory_GiB` (Cluster.gpu).
-    cluster = context.cluster
-    capacity = tuple(cluster.gpu(rank).memory_bytes for rank in range(cluster.world_size))
+    capacity = context.cluster.memory_capacities_bytes
     seconds_by_part = {key: tuple(ledger.parts[key].tolist()) for key in BREAKDOWN_KEYS}
     labels = {gpu: context.cost.label(gpu) for gpu in context.ranks_by_gpu}
     tokens = context.train.tokens_per_step

@@ -246,9 +246,31 @@ class Cluster:
                 )
         return devices
 
-    @property
+    @cached_property
     def world_size(self) -> int:
         return sum(node.count for node in self.nodes)
+
+    @cached_property
+    def rank_gpus(self) -> tuple[str, ...]:
+        """Each rank's GPU model, built once."""
+        return tuple(device.gpu for device in self.devices)
+
+    @cached_property
+    def memory_capacities_bytes(self) -> tuple[int, ...]:
+        """Each rank's memory capacity (`gpu(rank).memory_bytes`), built once: a step
+        simulation reports it for every rank."""
+        return tuple(spec.memory_bytes for spec in self._specs)
+
+    @cached_property
+    def compute_slowdowns(self) -> tuple[float, ...]:
+        """Each rank's `Device.compute_slowdown`, built once."""
+        return tuple(device.compute_slowdown for device in self.devices)
+
+    @cached_property
+    def node_indices(self) -> tuple[int, ...]:
+        """Each rank's node, as its index in `nodes`, built once."""
+        index = {node.name: i for i, node in enumerate(self.nodes)}
+        return tuple(index[device.node] for device in self.devices)
 
     @property
     def gpu_types(self) -> list[str]:
