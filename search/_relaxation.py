@@ -24,6 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from hexiseq.costmodel import memory_limit_bytes
+from hexiseq.search._memory_rows import phase_arrays
 
 RELATIVE_TOLERANCE = 1e-12  # bisection width, relative to T
 ROUNDS = 8  # bisection rounds of POINTS step times each: 8 x log2(66) bits, far past 1e-12
@@ -275,10 +276,9 @@ def _kind_rows(problem, phases, capacity: float):
     """(per unit, per largest-block unit, per share, limit - constant) of a member kind's
     phase rows, once per search (its phases are kept once per search, so their identity
     names them); None where a coefficient is negative."""
-    from hexiseq.search.local_milp import _phase_arrays  # (the two modules share it)
 
     def rows():
-        coefficients, constants = _phase_arrays(problem, phases)
+        coefficients, constants = phase_arrays(problem, phases)
         if np.any(coefficients < 0):
             return None
         return (*coefficients.T, memory_limit_bytes(int(capacity)) - constants)

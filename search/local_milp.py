@@ -32,13 +32,21 @@ from functools import cached_property
 import numpy as np
 
 from hexiseq.costmodel import memory_limit_bytes
-from hexiseq.costmodel.memory import RankShape, rank_memory
 from hexiseq.layout import AttentionLayout, apportion, build_zigzag_layout
 from hexiseq.plan import RankTime
 from hexiseq.search._evaluate import Problem, simulated
-from hexiseq.search._highs import Program, solve
+from hexiseq.search._highs import solve
+from hexiseq.search._memory_rows import (
+    GrowingRows,
+    kinds_of,
+    phase_arrays,
+    phase_rows,
+    phases_of,
+)
+from hexiseq.search._program_rows import Block, Rows, stacked_blocks
 from hexiseq.search._relaxation import busy_bound_s as _busy_bound_s
 from hexiseq.search._relaxation import memory_rules_out, unconstrained_optimum
+from hexiseq.search._unit_ranges import UnitRanges
 
 Group = tuple[int, ...]
 RELINEARIZATIONS = 2
@@ -48,7 +56,7 @@ TIME_TOLERANCE = 1e-4  # the headroom stage may give up this much step time
 SECANT_TOLERANCE = 1e-3  # re-linearized times this close to the last ones change nothing
 BISECTION_TOLERANCE = 1e-7  # relative width at which the integer step-time search stops
 SEARCH_POINTS = 31  # step times tried at once in each round of that search
-EVENT_STEPS = 4  # unit changes per member tried first (`_UnitRanges.changes_after`)
+EVENT_STEPS = 4  # unit changes per member tried first (`UnitRanges.changes_after`)
 
 
 @dataclass(frozen=True)
@@ -64,42 +72,6 @@ class LocalSolution:
         """Each rank's share of the model states (solved on first use: the search runs even
         shares wherever they fit, and then never needs these)."""
         return self.shares() if self.shares is not None else ()
-
-
-@dataclass(frozen=True)
-class _GrowingRows:
-    """The memory rows of every member kind that grow with its class's units (`_Model`'s
-    unit ceilings), stacked: [row] coefficients of (u_c, B, f_cm) in bytes, the bytes left
-    under the limit by the constant, the class and the state-share column of each row."""
-
-    per_unit: np.ndarray
-    per_largest: np.ndarray
-    per_share: np.ndarray
-    room: np.ndarray
-    owner: np.ndarray
-    share: np.ndarray
-
-    @classmethod
-    def of(cls, model: _Model) -> _GrowingRows:
-        blocks = []  # one (coefficients, room, class, share column) per member kind
-        for c, members in enumerate(model.kind_members):
-            for member in members:
-                phases, capacity = model.memory[c][member]
-                coefficients, constants = _phase_arrays(model.problem, phases)
-                grows = coefficients[:, 0] > 0
-                room = memory_limit_bytes(int(capacity)) - constants[grows]
-                blocks.append((coefficients[grows], room, c, int(model.f[c][member])))
-        counts = [len(room) for _, room, _, _ in blocks]
-        coefficients = np.concatenate([b[0] for b in blocks] or [np.zeros((0, 3))])
-        per_unit, per_largest, per_share = coefficients.T
-        return cls(
-            per_unit,
-            per_largest,
-            per_share,
-            room=np.concatenate([b[1] for b in blocks] or [np.zeros(0)]),
-            owner=np.repeat([b[2] for b in blocks], counts).astype(int),
-            share=np.repeat([b[3] for b in blocks], counts).astype(int),
-        )
 
 
 @dataclass(frozen=True)
@@ -431,7 +403,7 @@ class _Model:
         self.memory = [self._member_memory(cls) for cls in classes]
         # Members of a class with the same memory rows are interchangeable: one state-share
         # column and one set of memory rows for all of them (`kinds[c][member]`).
-        self.kinds = [_kinds_of(members) for members in self.memory]
+        self.kinds = [kinds_of(members) for members in self.memory]
         # The first member of each kind, per class: the others repeat its rows and share.
         self.kind_members = [
             [m for m, kind in enumerate(kinds) if kinds.index(kind) == m] for kinds in self.kinds
@@ -521,7 +493,7 @@ class _Model:
         for c, members in enumerate(self.kind_members):
             for member in members:
                 phases, capacity = self.memory[c][member]
-                coefficients, constants = _phase_arrays(self.problem, phases)
+                coefficients, constants = phase_arrays(self.problem, phases)
                 per_unit, per_largest, per_share = coefficients.T
                 used = per_unit * units[c] + per_largest * largest + per_share * share
                 if np.any(used > memory_limit_bytes(int(capacity)) - constants):
@@ -550,13 +522,13 @@ class _Model:
         fastest = self._relaxed(times)
         return None if fastest is None else float(fastest[self.step])
 
-    def _rows(self, times, utilization: bool = True) -> _Rows:
-        rows = _Rows()
+    def _rows(self, times, utilization: bool = True) -> Rows:
+        rows = Rows()
         self._time_rows(rows, times)
         rows.extend(self._fixed_rows(utilization))
         return rows
 
-    def _fixed_rows(self, utilization: bool = True) -> _Block:
+    def _fixed_rows(self, utilization: bool = True) -> Block:
         """The sum and memory rows, which do not depend on the times: built once per groups,
         heads and quantum in a search (every program of the screen and the local stage for
         that grouping shares them). Without `utilization`, the memory limit rows alone: the
@@ -568,8 +540,8 @@ class _Model:
         searches found the same plans)."""
         key = self._key("fixed rows" if utilization else "fixed limit rows")
 
-        def build() -> _Block:
-            rows = _Rows()
+        def build() -> Block:
+            rows = Rows()
             self._sum_rows(rows)
             if utilization:
                 self._memory_rows(rows, slack=None)
@@ -617,7 +589,7 @@ class _Model:
         shares fit them."""
         lower, upper = self._bounds()
         lower[self.u] = upper[self.u] = units
-        rows = _Rows.without_last(rows)  # the time tolerance row: the units set the time
+        rows = Rows.without_last(rows)  # the time tolerance row: the units set the time
         program = rows.program(self._objective(self.utilization), lower, upper)
         x = solve(program, time_limit_s=MILP_TIME_LIMIT_S)
         if x is None:
@@ -630,13 +602,13 @@ class _Model:
         at a step time T each class may take between the units its ring traffic needs and
         the units its members finish by T (and its ceiling allows); the least T at which
         those ranges can cover the sequence is the LP's bound or one of the step times where
-        a range changes (`_UnitRanges.changes_after`, the next EVENT_STEPS of each member),
+        a range changes (`UnitRanges.changes_after`, the next EVENT_STEPS of each member),
         all tried at once; beyond those it is searched (doublings, then SEARCH_POINTS times
         at once per round until BISECTION_TOLERANCE). The units taken at it are trimmed
         (slowest class first) to the sequence's length."""
         counts = np.array([len(cls.positions) for cls in self.classes], dtype=float)
         need = self.total_units - counts.sum()  # leftover units go one per group
-        ranges = _UnitRanges(self, times, np.floor(ceilings + 1e-9))
+        ranges = UnitRanges(self, times, np.floor(ceilings + 1e-9))
 
         def feasible(step_s: np.ndarray) -> np.ndarray:
             low, high = ranges.at(step_s)
@@ -675,7 +647,7 @@ class _Model:
 
     def missing_bytes(self) -> dict[int, int]:
         """Bytes each rank lacks in the least-short split: slack on every memory row."""
-        rows = _Rows()
+        rows = Rows()
         self._sum_rows(rows)
         slack = self._memory_rows(rows, slack=self.size)
         objective = np.zeros(self.size + len(slack))
@@ -737,7 +709,7 @@ class _Model:
     def _memory_rows(self, rows, slack: int | None) -> list[tuple[int, int]]:
         """Memory limit rows (with a slack column each when `slack` gives the first one) and
         utilization rows, in fractions of the device's capacity (well scaled beside seconds),
-        added as one block (`_phase_rows`)."""
+        added as one block (`phase_rows`)."""
         slacks, blocks = [], []
         for c, members in enumerate(self.kind_members):  # an identical member repeats them
             for member in members:
@@ -748,9 +720,9 @@ class _Model:
                     extra = slack + len(slacks) - 1  # the row's own slack column
                 else:
                     extra = self.utilization
-                blocks.append(_phase_rows(self.problem, phases, capacity, columns, extra, slack))
+                blocks.append(phase_rows(self.problem, phases, capacity, columns, extra, slack))
         if blocks:
-            row_of, column_of, values, upper = _stacked_blocks(blocks)
+            row_of, column_of, values, upper = stacked_blocks(blocks)
             rows.add_block(row_of, column_of, values, np.full(len(upper), -np.inf), upper)
         return slacks
 
@@ -761,7 +733,7 @@ class _Model:
             for member in members:
                 phases, capacity = self.memory[c][member]
                 columns = (int(self.u[c]), self.largest, int(self.f[c][member]))
-                coefficients, constants = _phase_arrays(self.problem, phases)
+                coefficients, constants = phase_arrays(self.problem, phases)
                 limits = (memory_limit_bytes(int(capacity)) - constants) / capacity
                 count = len(constants)
                 row_of = np.repeat(np.arange(count), 3)
@@ -769,7 +741,7 @@ class _Model:
                     (row_of, np.tile(columns, count), (coefficients / capacity).ravel(), limits)
                 )
         if blocks:
-            row_of, column_of, values, upper = _stacked_blocks(blocks)
+            row_of, column_of, values, upper = stacked_blocks(blocks)
             rows.add_block(row_of, column_of, values, np.full(len(upper), -np.inf), upper)
 
     def _member_memory(self, cls: _Class):
@@ -791,7 +763,7 @@ class _Model:
             key = (gpu, heads, kv_heads, self.quantum, cls.size, self.ring_groups)
             phases = self.problem.memo(
                 ("phases", self.problem.train, key),
-                lambda key=key: _phases_of(self.problem, *key),
+                lambda key=key: phases_of(self.problem, *key),
             )
             members.append((phases, float(capacity)))
         return members
@@ -810,10 +782,10 @@ class _Model:
             ceilings = np.minimum(ceilings, largest - 1.0)
         return ceilings
 
-    def _growing_rows(self) -> _GrowingRows:
+    def _growing_rows(self) -> GrowingRows:
         """Every member kind's memory rows that grow with its class's units, stacked (once
         per grouping, head split and quantum in a search)."""
-        return self.problem.memo(self._key("growing rows"), lambda: _GrowingRows.of(self))
+        return self.problem.memo(self._key("growing rows"), lambda: GrowingRows.of(self))
 
     def _objective(self, column: int) -> np.ndarray:
         objective = np.zeros(self.size)
@@ -841,287 +813,3 @@ class _Model:
         integrality = np.zeros(self.size + extra)
         integrality[self.u] = 1
         return integrality
-
-
-def _phases_of(
-    problem, gpu: str, heads: int, kv_heads: int, quantum: int, size: int, ring_groups: int
-):
-    """Every phase of the memory model (`costmodel.memory.PHASES`, each with its reserve and
-    fragmentation) as ((per segment unit, per largest-block unit, per state share), constant)
-    in bytes, where a member holds (u + 1) / size + 1 token units at most and its segment is
-    u + 1 units."""
-    calibration = problem.cost.memory_calibration(gpu)
-    block = 2 * quantum
-
-    def phases(tokens: float, segment: float, largest: float, share: float) -> np.ndarray:
-        shape = RankShape(
-            tokens * block,
-            segment * block,
-            heads,
-            kv_heads,
-            largest * block if ring_groups > 1 else 0,
-            gpu == "cpu",
-            ring_groups,
-        )
-        m = rank_memory(problem.model, problem.train, shape, share, calibration)
-        return np.array(list(m.phase_peaks().values()), dtype=float)
-
-    base = phases(0, 0, 0, 0.0)
-    per_token = phases(1, 0, 0, 0.0) - base
-    per_segment = phases(0, 1, 0, 0.0) - base
-    per_largest = phases(0, 0, 1, 0.0) - base
-    per_share = phases(0, 0, 0, 1.0) - base
-    per_unit = per_token / size + per_segment
-    constant = base + per_token * (1.0 / size + 1.0) + per_segment * 1.0
-    return [((per_unit[p], per_largest[p], per_share[p]), constant[p]) for p in range(len(base))]
-
-
-def _kinds_of(members: list) -> list[int]:
-    """A kind index per member: members with the same memory rows and capacity share one."""
-    seen: dict[tuple, int] = {}
-    return [seen.setdefault((id(phases), capacity), len(seen)) for phases, capacity in members]
-
-
-def _phase_rows(problem, phases, capacity: float, columns: tuple, extra: int, slack):
-    """A member's memory rows, phase by phase, as fractions of `capacity`, as entries (row
-    from 0, column, value) and row upper bounds: its limit, coefficients / capacity x (u_c,
-    B, f_cm) <= (95 % of capacity - constant) / capacity, then (no `slack`) the same
-    coefficients minus the `extra` column (utilization) <= -constant / capacity; with
-    `slack`, the limit row with -1 x the `extra` column (its slack). The same entries, in
-    the same order, as adding each row on its own. Values once per search and member kind
-    (its phases are kept once per search, so their identity names them), positions once per
-    shape."""
-    utilization = slack is None
-    values, upper = problem.memo(
-        ("phase rows", id(phases), capacity, utilization),
-        lambda: _phase_values(problem, phases, capacity, utilization),
-    )
-    row_of, column_of = problem.memo(
-        ("phase row positions", len(phases), columns, extra, utilization),
-        lambda: _phase_positions(len(phases), columns, extra, utilization),
-    )
-    return row_of, column_of, values, upper
-
-
-def _phase_arrays(problem, phases) -> tuple[np.ndarray, np.ndarray]:
-    """`phases` as [phase, 3] coefficients of (u_c, B, f_cm) and [phase] constants, once per
-    search (a member's phases are kept once per search, so their identity names them)."""
-    return problem.memo(
-        ("phase arrays", id(phases)),
-        lambda: (
-            np.array([c for c, _ in phases], dtype=float).reshape(-1, 3),
-            np.array([constant for _, constant in phases], dtype=float),
-        ),
-    )
-
-
-def _phase_values(
-    problem, phases, capacity: float, utilization: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    coefficients, constants = _phase_arrays(problem, phases)
-    scaled = coefficients / capacity  # [phase, 3]
-    limits = (memory_limit_bytes(int(capacity)) - constants) / capacity
-    minus_one = np.full((len(constants), 1), -1.0)
-    if utilization:  # limit row: 3 entries; utilization row: the same 3 and -1
-        values = np.hstack([scaled, scaled, minus_one]).ravel()
-        return values, np.column_stack([limits, -constants / capacity]).ravel()
-    return np.hstack([scaled, minus_one]).ravel(), limits
-
-
-def _phase_positions(
-    phases: int, columns: tuple, extra: int, utilization: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    if utilization:
-        row_of = np.tile(np.array([0, 0, 0, 1, 1, 1, 1]), phases)
-        row_of += np.repeat(2 * np.arange(phases), 7)
-        return row_of, np.tile(np.array([*columns, *columns, extra]), phases)
-    return np.repeat(np.arange(phases), 4), np.tile(np.array([*columns, extra]), phases)
-
-
-def _stacked_blocks(blocks: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(row_of, column_of, values, upper) blocks one after the other, rows renumbered."""
-    offsets = np.cumsum([0] + [len(upper) for *_, upper in blocks[:-1]])
-    row_of = np.concatenate([b[0] + offset for b, offset in zip(blocks, offsets)])
-    return (
-        row_of,
-        np.concatenate([b[1] for b in blocks]),
-        np.concatenate([b[2] for b in blocks]),
-        np.concatenate([b[3] for b in blocks]),
-    )
-
-
-class _UnitRanges:
-    """Per class, the units allowed at a step time T: at least the class size and what its
-    members' ring traffic needs by T, at most what they compute by T and the ceiling."""
-
-    def __init__(self, model: _Model, times, ceilings: np.ndarray) -> None:
-        self.classes = np.concatenate([np.full(len(t[0]), c) for c, t in enumerate(times)])
-        self.starts = np.concatenate([[0], np.cumsum([len(t[0]) for t in times])[:-1]])
-        self.per_unit = np.concatenate([t[0] for t in times])
-        self.fixed = np.concatenate([t[1] for t in times])
-        self.ring = np.concatenate(model.ring)
-        self.ceilings = ceilings
-        self.smallest = np.array([float(cls.size) for cls in model.classes])
-        self.total_tokens = float(model.problem.train.seq_len)
-        self.block = 2.0 * model.quantum
-
-    def finish_s(self, c: int, units: float) -> float:
-        """Class `c`'s slowest member's seconds at `units` (`_Model._finish_s` of one class)."""
-        end = self.starts[c + 1] if c + 1 < len(self.starts) else len(self.per_unit)
-        members = slice(self.starts[c], end)
-        busy = self.per_unit[members] * units + self.fixed[members]
-        traffic = self.ring[members] * (self.total_tokens - self.block * units)
-        return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
-
-    def changes_after(self, step_s: float, steps: int) -> np.ndarray:
-        """Step times above `step_s` at which some member's busy cap rises or ring need
-        falls by one unit, the next `steps` of each, sorted (each a hair above the change,
-        so evaluating there sees it): the ranges change nowhere else."""
-        with np.errstate(divide="ignore", invalid="ignore"):
-            spare = step_s - self.fixed
-            busy = np.floor(np.maximum(spare, 0.0) / self.per_unit + 1e-9)
-            rises = self.fixed[:, None] + self.per_unit[:, None] * (
-                busy[:, None] + np.arange(1, steps + 1) - 1e-9
-            )
-            rises[self.per_unit <= 0] = np.inf
-            need = np.ceil((self.total_tokens - spare / self.ring) / self.block - 1e-9)
-            falls = self.fixed[:, None] + self.ring[:, None] * (
-                self.total_tokens - (need[:, None] - np.arange(1, steps + 1) + 1e-9) * self.block
-            )
-            falls[self.ring <= 0] = np.inf
-        times = np.concatenate([rises.ravel(), falls.ravel(), self.fixed])
-        times = np.unique(times[np.isfinite(times) & (times > step_s)])
-        return times * (1 + 1e-12)
-
-    def at(self, step_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(lowest, highest) units per class at each step time: two [times, classes]."""
-        spare = step_s[:, None] - self.fixed
-        with np.errstate(divide="ignore", invalid="ignore"):
-            busy_cap = np.where(self.per_unit > 0, spare / self.per_unit, np.inf)
-            ring_need = np.where(
-                self.ring > 0, (self.total_tokens - spare / self.ring) / self.block, 0.0
-            )
-        busy_cap = np.where(spare < 0, -1.0, busy_cap)
-        high = np.minimum(
-            np.minimum.reduceat(np.floor(busy_cap + 1e-9), self.starts, axis=1), self.ceilings
-        )
-        low = np.maximum(
-            np.maximum.reduceat(np.ceil(ring_need - 1e-9), self.starts, axis=1), self.smallest
-        )
-        return low, high
-
-
-@dataclass(frozen=True)
-class _Block:
-    """Rows built once and added to many programs: entries (row, column, value) with rows
-    counted from the block's first, and each row's bounds."""
-
-    rows: np.ndarray
-    columns: np.ndarray
-    values: np.ndarray
-    lower: list[float]
-    upper: list[float]
-
-
-class _Rows:
-    """Sparse constraint rows lower <= A x <= upper, built one at a time or a block at once;
-    the entries keep the order they were added in."""
-
-    def __init__(self) -> None:
-        self.rows: list[int] = []  # entries added one at a time since the last block
-        self.columns: list[int] = []
-        self.values: list[float] = []
-        self.lower: list[float] = []
-        self.upper: list[float] = []
-        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-
-    def add(self, coefficients: dict[int, float], lower: float, upper: float) -> None:
-        row = len(self.lower)
-        for column, value in coefficients.items():
-            self.rows.append(row)
-            self.columns.append(column)
-            self.values.append(value)
-        self.lower.append(lower)
-        self.upper.append(upper)
-
-    def add_block(
-        self,
-        row_of: np.ndarray,
-        column_of: np.ndarray,
-        values: np.ndarray,
-        lower: np.ndarray,
-        upper: np.ndarray,
-    ) -> None:
-        """Append `len(lower)` rows given as entries (row counted from the first of them,
-        column, value), in order."""
-        self._flush()
-        offset = len(self.lower)
-        self._chunks.append(
-            (
-                (row_of + offset).astype(np.int32),
-                column_of.astype(np.int32),
-                values.astype(float),
-            )
-        )
-        self.lower += lower.tolist()
-        self.upper += upper.tolist()
-
-    def extend(self, block: _Block) -> None:
-        """Append `block`'s rows after these."""
-        self._flush()
-        self._chunks.append((block.rows + len(self.lower), block.columns, block.values))
-        self.lower += block.lower
-        self.upper += block.upper
-
-    def block(self) -> _Block:
-        """These rows as a block for `extend`."""
-        rows, columns, values = self._entries()
-        return _Block(rows, columns, values, list(self.lower), list(self.upper))
-
-    def _flush(self) -> None:
-        if self.rows:
-            self._chunks.append(
-                (
-                    np.asarray(self.rows, dtype=np.int32),
-                    np.asarray(self.columns, dtype=np.int32),
-                    np.asarray(self.values, dtype=float),
-                )
-            )
-            self.rows, self.columns, self.values = [], [], []
-
-    def _entries(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every entry's (row, column, value), in the order added."""
-        self._flush()
-        if not self._chunks:
-            empty = np.zeros(0, dtype=np.int32)
-            return empty, empty, np.zeros(0)
-        if len(self._chunks) > 1:
-            self._chunks = [tuple(np.concatenate(part) for part in zip(*self._chunks))]
-        return self._chunks[0]
-
-    @staticmethod
-    def without_last(rows: _Rows) -> _Rows:
-        """A copy of `rows` without its last row."""
-        entries = rows._entries()
-        keep = entries[0] != len(rows.lower) - 1
-        copy = _Rows()
-        copy._chunks = [tuple(part[keep] for part in entries)]
-        copy.lower, copy.upper = rows.lower[:-1], rows.upper[:-1]
-        return copy
-
-    def program(self, cost: np.ndarray, lower: np.ndarray, upper: np.ndarray) -> Program:
-        """These rows, minimizing `cost` within the column bounds `lower`..`upper` (one
-        column each); the matrix column-wise, as HiGHS takes it."""
-        rows, columns, values = self._entries()
-        order = np.argsort(columns, kind="stable")
-        starts = np.searchsorted(columns[order], np.arange(len(cost) + 1)).astype(np.int32)
-        return Program(
-            cost=cost,
-            starts=starts,
-            rows=rows[order],
-            values=values[order],
-            row_lower=np.asarray(self.lower, dtype=float),
-            row_upper=np.asarray(self.upper, dtype=float),
-            lower=lower,
-            upper=upper,
-        )

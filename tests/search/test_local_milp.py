@@ -173,12 +173,12 @@ def test_the_fastest_step_needs_no_utilization_rows(integer):
 def test_limit_rows_are_the_memory_rows_but_utilization():
     """`_limit_rows` (the fastest-step programs' memory rows) are `_memory_rows`'s limit
     rows, every other one: the same entries, columns and bounds, no utilization column."""
-    from hexiseq.search.local_milp import _Rows
+    from hexiseq.search._program_rows import Rows
 
     for degrees in THREE_TYPE_DEGREES:
         problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
         model, _, _ = model_and_times(problem, degrees, 64)
-        full, limits = _Rows(), _Rows()
+        full, limits = Rows(), Rows()
         model._memory_rows(full, slack=None)
         model._limit_rows(limits)
         rows, columns, values = full._entries()
@@ -194,14 +194,14 @@ def test_limit_rows_are_the_memory_rows_but_utilization():
 def _ceilings_one_kind_at_a_time(model, x) -> np.ndarray:
     """`_Model._unit_ceilings` worked out member kind by member kind (the reference)."""
     from hexiseq.costmodel import memory_limit_bytes
-    from hexiseq.search.local_milp import _phase_arrays
+    from hexiseq.search._memory_rows import phase_arrays
 
     ceilings = np.full(len(model.classes), np.inf)
     largest = np.floor(np.max(x[model.u]) + 1e-9) + 2.0
     for c, members in enumerate(model.kind_members):
         for member in members:
             phases, capacity = model.memory[c][member]
-            coefficients, constants = _phase_arrays(model.problem, phases)
+            coefficients, constants = phase_arrays(model.problem, phases)
             per_unit, per_largest, per_share = coefficients[coefficients[:, 0] > 0].T
             room = memory_limit_bytes(int(capacity)) - constants[coefficients[:, 0] > 0]
             room = room - (per_largest * largest + per_share * x[model.f[c][member]])
@@ -254,14 +254,14 @@ def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
 def test_the_least_step_time_from_the_ranges_changes_matches_the_bisection(degrees, monkeypatch):
     """`_fastest_units` tries the step times where a class's unit range changes before
     any search: the same units as the bisection finds, at a step time no longer."""
-    from hexiseq.search.local_milp import _UnitRanges
+    from hexiseq.search._unit_ranges import UnitRanges
 
     problem = problem_for(three_types(), "llama3-8b", 256 * 1024)
     model, times, classes = model_and_times(problem, degrees, 64)
     ceilings = np.full(len(classes), np.inf)
     bound_s = model.relaxed_step_s(times)
     from_changes = model._fastest_units(times, ceilings, bound_s)
-    monkeypatch.setattr(_UnitRanges, "changes_after", lambda self, s, steps: np.zeros(0))
+    monkeypatch.setattr(UnitRanges, "changes_after", lambda self, s, steps: np.zeros(0))
     bisected = model._fastest_units(times, ceilings, bound_s)
     assert np.array_equal(from_changes, bisected)
     ours, theirs = (model._finish_s(times, u).max() for u in (from_changes, bisected))
@@ -270,16 +270,16 @@ def test_the_least_step_time_from_the_ranges_changes_matches_the_bisection(degre
 
 @pytest.mark.parametrize("slack", [None, 100])
 def test_memory_rows_come_as_blocks_equal_to_rows_added_one_by_one(slack):
-    """`_phase_rows` builds each member kind's rows at once: the same entries, in the same
+    """`phase_rows` builds each member kind's rows at once: the same entries, in the same
     order, as adding each phase's limit (and utilization, or slack) row on its own."""
     from hexiseq.costmodel import memory_limit_bytes
-    from hexiseq.search.local_milp import _Rows
+    from hexiseq.search._program_rows import Rows
 
     problem = problem_for(three_types(), "llama3-8b", 64 * 1024)
     model, _, _ = model_and_times(problem, {"H100-SXM": 2, "A100-80G": 3, "L40S": 1}, 64)
-    blocks = _Rows()
+    blocks = Rows()
     model._memory_rows(blocks, slack)
-    one_by_one, slacks = _Rows(), 0
+    one_by_one, slacks = Rows(), 0
     for c, members in enumerate(model.memory):
         for member, (phases, capacity) in enumerate(members):
             if model.kinds[c].index(model.kinds[c][member]) != member:

@@ -1,0 +1,72 @@
+"""The integer units each class may take at a step time (`local_milp._Model`'s fastest
+integer units)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from hexiseq.search.local_milp import _Model
+
+
+class UnitRanges:
+    """Per class, the units allowed at a step time T: at least the class size and what its
+    members' ring traffic needs by T, at most what they compute by T and the ceiling."""
+
+    def __init__(self, model: _Model, times, ceilings: np.ndarray) -> None:
+        self.classes = np.concatenate([np.full(len(t[0]), c) for c, t in enumerate(times)])
+        self.starts = np.concatenate([[0], np.cumsum([len(t[0]) for t in times])[:-1]])
+        self.per_unit = np.concatenate([t[0] for t in times])
+        self.fixed = np.concatenate([t[1] for t in times])
+        self.ring = np.concatenate(model.ring)
+        self.ceilings = ceilings
+        self.smallest = np.array([float(cls.size) for cls in model.classes])
+        self.total_tokens = float(model.problem.train.seq_len)
+        self.block = 2.0 * model.quantum
+
+    def finish_s(self, c: int, units: float) -> float:
+        """Class `c`'s slowest member's seconds at `units` (`_Model._finish_s` of one class)."""
+        end = self.starts[c + 1] if c + 1 < len(self.starts) else len(self.per_unit)
+        members = slice(self.starts[c], end)
+        busy = self.per_unit[members] * units + self.fixed[members]
+        traffic = self.ring[members] * (self.total_tokens - self.block * units)
+        return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
+
+    def changes_after(self, step_s: float, steps: int) -> np.ndarray:
+        """Step times above `step_s` at which some member's busy cap rises or ring need
+        falls by one unit, the next `steps` of each, sorted (each a hair above the change,
+        so evaluating there sees it): the ranges change nowhere else."""
+        with np.errstate(divide="ignore", invalid="ignore"):
+            spare = step_s - self.fixed
+            busy = np.floor(np.maximum(spare, 0.0) / self.per_unit + 1e-9)
+            rises = self.fixed[:, None] + self.per_unit[:, None] * (
+                busy[:, None] + np.arange(1, steps + 1) - 1e-9
+            )
+            rises[self.per_unit <= 0] = np.inf
+            need = np.ceil((self.total_tokens - spare / self.ring) / self.block - 1e-9)
+            falls = self.fixed[:, None] + self.ring[:, None] * (
+                self.total_tokens - (need[:, None] - np.arange(1, steps + 1) + 1e-9) * self.block
+            )
+            falls[self.ring <= 0] = np.inf
+        times = np.concatenate([rises.ravel(), falls.ravel(), self.fixed])
+        times = np.unique(times[np.isfinite(times) & (times > step_s)])
+        return times * (1 + 1e-12)
+
+    def at(self, step_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(lowest, highest) units per class at each step time: two [times, classes]."""
+        spare = step_s[:, None] - self.fixed
+        with np.errstate(divide="ignore", invalid="ignore"):
+            busy_cap = np.where(self.per_unit > 0, spare / self.per_unit, np.inf)
+            ring_need = np.where(
+                self.ring > 0, (self.total_tokens - spare / self.ring) / self.block, 0.0
+            )
+        busy_cap = np.where(spare < 0, -1.0, busy_cap)
+        high = np.minimum(
+            np.minimum.reduceat(np.floor(busy_cap + 1e-9), self.starts, axis=1), self.ceilings
+        )
+        low = np.maximum(
+            np.maximum.reduceat(np.ceil(ring_need - 1e-9), self.starts, axis=1), self.smallest
+        )
+        return low, high
