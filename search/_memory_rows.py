@@ -15,6 +15,10 @@ from hexiseq.costmodel.memory import RankShape, rank_memory
 if TYPE_CHECKING:
     from hexiseq.search.local_milp import _Model
 
+ROW_FORMS = ("utilization", "slack", "limits")
+"""How `phase_rows` gives a member's limit rows: each followed by its utilization row, each
+with its own slack column, or alone."""
+
 
 def phases_of(
     problem, gpu: str, heads: int, kv_heads: int, quantum: int, size: int, ring_groups: int
@@ -55,23 +59,22 @@ def kinds_of(members: list) -> list[int]:
     return [seen.setdefault((id(phases), capacity), len(seen)) for phases, capacity in members]
 
 
-def phase_rows(problem, phases, capacity: float, columns: tuple, extra: int, slack):
+def phase_rows(problem, phases, capacity: float, columns: tuple, extra: int | None, form: str):
     """A member's memory rows, phase by phase, as fractions of `capacity`, as entries (row
-    from 0, column, value) and row upper bounds: its limit, coefficients / capacity x (u_c,
-    B, f_cm) <= (95 % of capacity - constant) / capacity, then (no `slack`) the same
-    coefficients minus the `extra` column (utilization) <= -constant / capacity; with
-    `slack`, the limit row with -1 x the `extra` column (its slack). The same entries, in
-    the same order, as adding each row on its own. Values once per search and member kind
-    (its phases are kept once per search, so their identity names them), positions once per
-    shape."""
-    utilization = slack is None
+    from 0, column, value) and row upper bounds. Each phase's limit row, coefficients /
+    capacity x (u_c, B, f_cm) <= (95 % of capacity - constant) / capacity, in the `form`
+    (ROW_FORMS): "utilization", then the same coefficients minus the `extra` column
+    (utilization) <= -constant / capacity; "slack", with -1 x the `extra` column (its
+    slack); "limits", alone (`extra` None). The same entries, in the same order, as adding
+    each row on its own. Values once per search and member kind (its phases are kept once
+    per search, so their identity names them), positions once per shape."""
     values, upper = problem.memo(
-        ("phase rows", id(phases), capacity, utilization),
-        lambda: _phase_values(problem, phases, capacity, utilization),
+        ("phase rows", id(phases), capacity, form),
+        lambda: _phase_values(problem, phases, capacity, form),
     )
     row_of, column_of = problem.memo(
-        ("phase row positions", len(phases), columns, extra, utilization),
-        lambda: _phase_positions(len(phases), columns, extra, utilization),
+        ("phase row positions", len(phases), columns, extra, form),
+        lambda: _phase_positions(len(phases), columns, extra, form),
     )
     return row_of, column_of, values, upper
 
@@ -88,27 +91,29 @@ def phase_arrays(problem, phases) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def _phase_values(
-    problem, phases, capacity: float, utilization: bool
-) -> tuple[np.ndarray, np.ndarray]:
+def _phase_values(problem, phases, capacity: float, form: str) -> tuple[np.ndarray, np.ndarray]:
     coefficients, constants = phase_arrays(problem, phases)
     scaled = coefficients / capacity  # [phase, 3]
     limits = (memory_limit_bytes(int(capacity)) - constants) / capacity
     minus_one = np.full((len(constants), 1), -1.0)
-    if utilization:  # limit row: 3 entries; utilization row: the same 3 and -1
+    if form == "utilization":  # limit row: 3 entries; utilization row: the same 3 and -1
         values = np.hstack([scaled, scaled, minus_one]).ravel()
         return values, np.column_stack([limits, -constants / capacity]).ravel()
-    return np.hstack([scaled, minus_one]).ravel(), limits
+    if form == "slack":
+        return np.hstack([scaled, minus_one]).ravel(), limits
+    return scaled.ravel(), limits
 
 
 def _phase_positions(
-    phases: int, columns: tuple, extra: int, utilization: bool
+    phases: int, columns: tuple, extra: int | None, form: str
 ) -> tuple[np.ndarray, np.ndarray]:
-    if utilization:
+    if form == "utilization":
         row_of = np.tile(np.array([0, 0, 0, 1, 1, 1, 1]), phases)
         row_of += np.repeat(2 * np.arange(phases), 7)
         return row_of, np.tile(np.array([*columns, *columns, extra]), phases)
-    return np.repeat(np.arange(phases), 4), np.tile(np.array([*columns, extra]), phases)
+    if form == "slack":
+        return np.repeat(np.arange(phases), 4), np.tile(np.array([*columns, extra]), phases)
+    return np.repeat(np.arange(phases), 3), np.tile(np.array(columns), phases)
 
 
 @dataclass(frozen=True)

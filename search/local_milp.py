@@ -543,10 +543,7 @@ class _Model:
         def build() -> Block:
             rows = Rows()
             self._sum_rows(rows)
-            if utilization:
-                self._memory_rows(rows, slack=None)
-            else:
-                self._limit_rows(rows)
+            self._memory_rows(rows, slack=None, utilization=utilization)
             return rows.block()
 
         return self.problem.memo(key, build)
@@ -706,43 +703,30 @@ class _Model:
             for c in self.u:
                 rows.add({int(c): 1.0, self.largest: -1.0}, -np.inf, -1.0)
 
-    def _memory_rows(self, rows, slack: int | None) -> list[tuple[int, int]]:
+    def _memory_rows(
+        self, rows, slack: int | None, utilization: bool = True
+    ) -> list[tuple[int, int]]:
         """Memory limit rows (with a slack column each when `slack` gives the first one) and
-        utilization rows, in fractions of the device's capacity (well scaled beside seconds),
-        added as one block (`phase_rows`)."""
+        utilization rows (none where not `utilization`: the limit rows alone), in fractions
+        of the device's capacity (well scaled beside seconds), added as one block
+        (`phase_rows`)."""
         slacks, blocks = [], []
+        form = "slack" if slack is not None else "utilization" if utilization else "limits"
         for c, members in enumerate(self.kind_members):  # an identical member repeats them
             for member in members:
                 phases, capacity = self.memory[c][member]
                 columns = (int(self.u[c]), self.largest, int(self.f[c][member]))
-                if slack is not None:
+                extra = None
+                if form == "slack":
                     slacks.append((c, member))
                     extra = slack + len(slacks) - 1  # the row's own slack column
-                else:
+                elif form == "utilization":
                     extra = self.utilization
-                blocks.append(phase_rows(self.problem, phases, capacity, columns, extra, slack))
+                blocks.append(phase_rows(self.problem, phases, capacity, columns, extra, form))
         if blocks:
             row_of, column_of, values, upper = stacked_blocks(blocks)
             rows.add_block(row_of, column_of, values, np.full(len(upper), -np.inf), upper)
         return slacks
-
-    def _limit_rows(self, rows) -> None:
-        """The memory limit rows alone (`_memory_rows` without utilization), as one block."""
-        blocks = []
-        for c, members in enumerate(self.kind_members):
-            for member in members:
-                phases, capacity = self.memory[c][member]
-                columns = (int(self.u[c]), self.largest, int(self.f[c][member]))
-                coefficients, constants = phase_arrays(self.problem, phases)
-                limits = (memory_limit_bytes(int(capacity)) - constants) / capacity
-                count = len(constants)
-                row_of = np.repeat(np.arange(count), 3)
-                blocks.append(
-                    (row_of, np.tile(columns, count), (coefficients / capacity).ravel(), limits)
-                )
-        if blocks:
-            row_of, column_of, values, upper = stacked_blocks(blocks)
-            rows.add_block(row_of, column_of, values, np.full(len(upper), -np.inf), upper)
 
     def _member_memory(self, cls: _Class):
         """For each member: each phase of its peak memory as an affine function of (u_c, B,

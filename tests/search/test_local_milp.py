@@ -171,8 +171,8 @@ def test_the_fastest_step_needs_no_utilization_rows(integer):
 
 
 def test_limit_rows_are_the_memory_rows_but_utilization():
-    """`_limit_rows` (the fastest-step programs' memory rows) are `_memory_rows`'s limit
-    rows, every other one: the same entries, columns and bounds, no utilization column."""
+    """The limit rows alone (the fastest-step programs' memory rows) are the memory rows'
+    limit rows, every other one: the same entries, columns and bounds, no utilization."""
     from hexiseq.search._program_rows import Rows
 
     for degrees in THREE_TYPE_DEGREES:
@@ -180,7 +180,7 @@ def test_limit_rows_are_the_memory_rows_but_utilization():
         model, _, _ = model_and_times(problem, degrees, 64)
         full, limits = Rows(), Rows()
         model._memory_rows(full, slack=None)
-        model._limit_rows(limits)
+        model._memory_rows(limits, slack=None, utilization=False)
         rows, columns, values = full._entries()
         kept = rows % 2 == 0  # each phase: its limit row, then its utilization row
         assert len(limits.upper) == len(full.upper) // 2 > 0
