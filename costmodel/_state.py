@@ -45,7 +45,6 @@ class SimContext:
     train: TrainSpec
     layout: AttentionLayout
     cost: CostModel
-    gpus: tuple[str, ...]  # [rank] GPU model
     ranks_by_gpu: dict[str, np.ndarray]  # GPU model -> its ranks, models in order of appearance
     node_of: np.ndarray  # [rank] index into cluster.nodes
     bandwidth_GBps: np.ndarray  # [node, node] one-direction link bandwidth per GPU
@@ -100,7 +99,6 @@ def make_context(
     """Gather the per-rank facts of `layout` on `cluster` once (O(N), no rank-by-rank lookups).
 
     The link matrices come from `cost.link_parameters` (a fitted model's measured links)."""
-    gpus = cluster.rank_gpus
     bandwidth_GBps, latency_s = cost.link_parameters(cluster)
     return SimContext(
         cluster=cluster,
@@ -108,8 +106,7 @@ def make_context(
         train=train,
         layout=layout,
         cost=cost,
-        gpus=gpus,
-        ranks_by_gpu=_ranks_by_gpu(gpus),
+        ranks_by_gpu=_ranks_by_gpu(cluster.rank_gpus),
         node_of=np.array(cluster.node_indices, dtype=np.int64),
         bandwidth_GBps=bandwidth_GBps,
         latency_s=latency_s,

@@ -33,16 +33,10 @@ _DOUBLINGS = 64
 _NEWTON_STEPS = 64  # a piecewise-linear root: exact after as many steps as pieces it crosses
 
 
-def unconstrained_step_s(model, times) -> float | None:
-    """The LP optimum if memory does not bind at it, else None (memory may bind, or no step
-    time lets the units cover the sequence: let the LP say which)."""
-    optimum = unconstrained_optimum(model, times)
-    return None if optimum is None else optimum[0]
-
-
 def unconstrained_optimum(model, times) -> tuple[float, np.ndarray] | None:
     """(the LP's optimal step seconds, continuous units per class at it that every memory
-    row allows) where memory does not bind there, else None."""
+    row allows) where memory does not bind there, else None (memory may bind, or no step
+    time lets the units cover the sequence: let the LP say which)."""
     ranges = _Ranges(model, times)
     step_s = ranges.least_step_s()
     if step_s is None:
