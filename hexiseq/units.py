@@ -31,7 +31,7 @@ def parse_seq_len(text: str | int) -> int:
         match = _PATTERN.match(text)
         if not match:
             raise InputError(
-                f"--seq-len '{text}' is not a length; allowed: a whole number of tokens "
+                f"--seq-len {text!r} is not a length; allowed: a whole number of tokens "
                 "(131072) or one with k/M (128k, 1M)"
             )
         value = int(match.group(1)) * _SUFFIX[match.group(2).lower()]

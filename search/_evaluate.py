@@ -72,7 +72,7 @@ def simulated(
         fractions = even_state_fractions(layout.world_size)
     fractions = tuple(fractions)
     return problem.memo(
-        ("simulate", problem.train, layout, fractions),
+        _simulation_key(problem, layout, fractions),
         lambda: simulate_step(
             problem.cluster,
             problem.model,
@@ -83,6 +83,10 @@ def simulated(
             shared=problem.memo(SIMULATION_TABLES, dict),
         ),
     )
+
+
+def _simulation_key(problem: Problem, layout: AttentionLayout, fractions: Sequence[float]):
+    return "simulate", problem.train, layout, tuple(fractions)
 
 
 def memory_shortfall(
@@ -98,10 +102,14 @@ def memory_shortfall(
 def _shortfall(
     problem: Problem, layout: AttentionLayout, fractions: Sequence[float]
 ) -> dict[int, int]:
-    calibrations = memory_calibrations(problem.cost, problem.cluster.gpu_types)
-    memory = estimate_memory(
-        problem.cluster, problem.model, problem.train, layout, fractions, calibrations
-    )
+    simulation = problem.cache.get(_simulation_key(problem, layout, fractions))
+    if simulation is not None:  # the simulation estimated the same memory
+        memory = simulation.memory
+    else:
+        calibrations = memory_calibrations(problem.cost, problem.cluster.gpu_types)
+        memory = estimate_memory(
+            problem.cluster, problem.model, problem.train, layout, fractions, calibrations
+        )
     peaks: dict[int, int] = {}  # ranks of one shape share one breakdown
     missing = {}
     for rank, (m, limit) in enumerate(zip(memory, problem.limits())):

@@ -169,6 +169,13 @@ def _search(
     )
     if cluster_spec.world_size > MAX_PLANNED_DEVICES or (too_short and shares_batch):
         return _replicas_only(problem, options)
+    try:
+        return _planned(problem, options)
+    finally:
+        problem.cache.clear()
+
+
+def _planned(problem: Problem, options: SearchOptions) -> SearchResult:
     baselines = all_baselines(problem)
     outcome = run_study(problem, options)
     trials = outcome.records + [trial_of({}, b) for b in baselines.values()]

@@ -372,6 +372,14 @@ def _rank_fractions(groups, classes: list[_Class], fractions: list[list[float]])
 
 
 def _layout(problem, groups, heads, quantum, units: list[int]) -> AttentionLayout:
+    """The zigzag layout of `units` per group, once per search (the relinearization's
+    layout is often the one the full solve settles on; one object keeps its simulation)."""
+    key = ("layout", problem.train.seq_len, tuple(groups), tuple(map(tuple, heads)), quantum)
+    key += (tuple(units),)
+    return problem.memo(key, lambda: _new_layout(problem, groups, heads, quantum, units))
+
+
+def _new_layout(problem, groups, heads, quantum, units: list[int]) -> AttentionLayout:
     model = problem.model
     return build_zigzag_layout(
         problem.train.seq_len,

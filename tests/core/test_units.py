@@ -75,3 +75,12 @@ def test_format_tokens(count, text):
 @pytest.mark.parametrize("count", [2, 4096, 65536, 131072, 1048576, 1536 * 1024, 12345])
 def test_format_tokens_round_trips_through_parse(count):
     assert parse_seq_len(format_tokens(count)) == count
+
+
+@pytest.mark.parametrize("text", ["\n", "1\n2", "1k\r\nx"])
+def test_parse_seq_len_names_a_text_with_line_breaks_on_one_line(text):
+    with pytest.raises(InputError) as info:
+        parse_seq_len(text)
+    message = str(info.value)
+    assert "\n" not in message and "\r" not in message
+    assert message.startswith(f"--seq-len {text!r} is not a length")
