@@ -21,6 +21,7 @@ from hexiseq.search.baselines import (
     data_parallel,
     strongest,
 )
+from hexiseq.search.beside import score_beside
 from hexiseq.search.options import SearchOptions, search_options
 from hexiseq.search.optuna_layer import Trial, run_study, trial_of
 from hexiseq.search.replicas import replica_plan
@@ -176,8 +177,13 @@ def _search(
 
 
 def _planned(problem: Problem, options: SearchOptions) -> SearchResult:
-    baselines = all_baselines(problem)
-    outcome = run_study(problem, options)
+    beside = options.storage is None and not options.searching
+    pending = score_beside(problem, _baselines, beside)
+    try:
+        outcome = run_study(problem, options)
+        baselines, parallel = pending.result()
+    finally:
+        pending.close()
     trials = outcome.records + [trial_of({}, b) for b in baselines.values()]
     candidates = [outcome.best] if outcome.best is not None else []
     candidates += outcome.infeasible + list(baselines.values())
@@ -190,9 +196,13 @@ def _planned(problem: Problem, options: SearchOptions) -> SearchResult:
             _infeasible_message(problem, candidates), _closest_missing(candidates)
         )
     best = max(feasible, key=lambda plan: plan.predicted.tokens_per_s)
-    return SearchResult(
-        best, baselines, trials, outcome.pareto, outcome.study_name, data_parallel(problem)
-    )
+    return SearchResult(best, baselines, trials, outcome.pareto, outcome.study_name, parallel)
+
+
+def _baselines(problem: Problem) -> tuple[dict, DataParallelBaseline | None]:
+    """Every baseline and the data-parallel replicas (`search.beside` scores them beside
+    the study)."""
+    return all_baselines(problem), data_parallel(problem)
 
 
 MAX_PLANNED_DEVICES = 4096

@@ -59,7 +59,7 @@ The workers fork at the first trial sent, before the study writer's thread start
 first finished trial). Other threads may run then (tqdm's monitor of a progress bar,
 HiGHS's pool, the caller's): a worker only scores (no output, no store, no progress bar),
 takes none of their locks, and starts a HiGHS pool of its own (`search._highs`)."""
-_FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
+FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
 SYNC_S = 5.0
 """How often the mirror takes in the trials other processes finished in the stored study."""
 WRITER_ATTR = "hexiseq_writer"
@@ -276,7 +276,7 @@ class _Queue:
         (`WORKER_START` says why the workers are safe); the warning, on stderr wherever
         deprecation warnings are shown (pytest, `-W default`), is left out."""
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", _FORK_WARNING, DeprecationWarning)
+            warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
             return self.pool.submit(_score, params)
 
     def tell_finished(self) -> None:
