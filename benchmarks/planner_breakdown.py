@@ -12,7 +12,10 @@ Stages (inclusive: a full evaluation includes its simulations and programs):
 
 The clusters are `planner_scaling.py`'s (nodes of 8, types round-robin, Llama-3-8B at 1M
 tokens). Each is searched once to warm up, then once under the wrappers (the wrappers add
-about a microsecond a call).
+about a microsecond a call) with every stage in this process: on 64 devices and more the
+default search scores its baselines in a forked process beside the study (`search.beside`),
+where the wrappers would not see them. The last column is one more search of the cell as it
+runs by default (unwrapped, baselines beside the study where they are).
 
 Run: `.venv/bin/python benchmarks/planner_breakdown.py [--cells 16x4 ...] [--no-write]`
 (prints the table and updates the "Planner time breakdown" section of RESULTS.md).
@@ -34,6 +37,7 @@ from planner_scaling import MODEL, build_cluster
 
 import hexiseq.search._evaluate as evaluate_module
 import hexiseq.search.api as api_module
+import hexiseq.search.beside as beside_module
 import hexiseq.search.local_milp as local_milp_module
 import hexiseq.search.objective as objective_module
 import hexiseq.search.optuna_layer as optuna_layer_module
@@ -78,15 +82,18 @@ class Tally:
         return timed
 
 
-def breakdown(cell: str) -> tuple[float, Tally]:
-    """One warm search of `cell` ("GPUSxTYPES") under the wrappers: (total seconds, tally)."""
+def breakdown(cell: str) -> tuple[float, Tally, float]:
+    """One warm search of `cell` ("GPUSxTYPES") under the wrappers, every stage in this
+    process, and one as it runs by default: (total seconds, tally, default seconds)."""
     gpus, types = (int(part) for part in cell.split("x"))
     cluster = build_cluster(gpus, types)
     plan_search(cluster, MODEL, SEQ_LEN)  # warm-up
     tally = Tally()
     originals = [(module, name, getattr(module, name)) for _, module, name in STAGES]
+    originals.append((beside_module, "BESIDE_MIN_DEVICES", beside_module.BESIDE_MIN_DEVICES))
     for (label, module, name), (_, _, function) in zip(STAGES, originals):
         setattr(module, name, tally.wrap(label, function))
+    beside_module.BESIDE_MIN_DEVICES = 10**9  # the baselines in this process too
     try:
         started = time.perf_counter()
         plan_search(cluster, MODEL, SEQ_LEN)
@@ -94,19 +101,22 @@ def breakdown(cell: str) -> tuple[float, Tally]:
     finally:
         for module, name, function in originals:
             setattr(module, name, function)
-    return total_s, tally
+    started = time.perf_counter()
+    plan_search(cluster, MODEL, SEQ_LEN)
+    return total_s, tally, time.perf_counter() - started
 
 
-def table(rows: list[tuple[str, float, Tally]]) -> str:
-    header = "| cluster | total s | " + " | ".join(label for label, _, _ in STAGES) + " |"
-    lines = [header, "|---|---:|" + "---:|" * len(STAGES)]
-    for cell, total_s, tally in rows:
+def table(rows: list[tuple[str, float, Tally, float]]) -> str:
+    labels = " | ".join(label for label, _, _ in STAGES)
+    header = f"| cluster | total s | {labels} | default search s |"
+    lines = [header, "|---|---:|" + "---:|" * (len(STAGES) + 1)]
+    for cell, total_s, tally, default_s in rows:
         cells = [
             f"{tally.seconds[label]:.3f} ({100 * tally.seconds[label] / total_s:.0f} %, "
             f"{tally.calls[label]})"
             for label, _, _ in STAGES
         ]
-        lines.append(f"| {cell} | {total_s:.3f} | " + " | ".join(cells) + " |")
+        lines.append(f"| {cell} | {total_s:.3f} | " + " | ".join(cells) + f" | {default_s:.3f} |")
     return "\n".join(lines)
 
 
@@ -120,7 +130,9 @@ def section(body: str) -> str:
             f"One warm default `plan_search` per cluster ({MODEL} at {SEQ_LEN} tokens, the "
             "planner-scaling clusters), seconds inside each stage (share of the search, calls). "
             "Stages nest: full evaluations hold their simulations and HiGHS programs, the "
-            "polish holds its full evaluations, the screen its probes' simulations. "
+            "polish holds its full evaluations, the screen its probes' simulations. Every "
+            "stage runs in this process; the last column is the same search as it runs by "
+            "default (on 64+ devices the baselines in a forked process beside the study). "
             f"{platform.machine()}, Python {platform.python_version()}, 2 CPU cores; {when}.",
             "",
             body,
@@ -137,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for cell in args.cells:
-        total_s, tally = breakdown(cell)
-        rows.append((cell, total_s, tally))
-        print(f"{cell}: {total_s:.3f} s", flush=True)
+        total_s, tally, default_s = breakdown(cell)
+        rows.append((cell, total_s, tally, default_s))
+        print(f"{cell}: {total_s:.3f} s (default search {default_s:.3f} s)", flush=True)
     body = table(rows)
     print(body)
     if not args.no_write:

@@ -26,9 +26,7 @@ from hexiseq.costmodel._traffic import (
     FP32,
     FoldLinks,
     RingSenders,
-    dkv_ring_senders,
-    fold_links,
-    ring_senders,
+    ring_traffic,
 )
 from hexiseq.kernels import attention_kernel, training_dtype
 
@@ -60,11 +58,9 @@ def build_ring_tables(context: SimContext) -> RingTables:
     if group_count == 1:
         nothing = np.zeros_like(forward_s)
         return RingTables(None, forward_s, backward_s, nothing, nothing)
-    senders = context.structural("ring senders", ring_senders)
-    dkv_senders = context.structural("dK/dV ring senders", dkv_ring_senders)
+    senders, dkv_senders, folds = context.structural("ring traffic", ring_traffic)
     block_tokens = steps_of_sequence(context.segment_lengths)  # [step, group] block in hand
     element = context.train.compute_dtype_bytes
-    folds = context.structural("fold links", fold_links)
     return RingTables(
         senders,
         forward_s,

@@ -106,10 +106,20 @@ def batched_all_to_all_bytes(
     return matrix
 
 
+def ring_traffic(layout: AttentionLayout) -> tuple[RingSenders, RingSenders, FoldLinks]:
+    """`ring_senders`, `dkv_ring_senders` and `fold_links` of `layout`, from one pass over
+    the heads the ranks hold (the simulator asks for all three of every new ring)."""
+    heads = _HeadsHeld(layout)
+    return _ring_senders(heads), _dkv_ring_senders(heads), _fold_links(heads)
+
+
 def ring_senders(layout: AttentionLayout) -> RingSenders:
     """For every rank, the ranks of the previous ring group that send it K/V heads; and for
     every rank, how many K/V heads per block token it sends on its outgoing hop."""
-    heads = _HeadsHeld(layout)
+    return _ring_senders(_HeadsHeld(layout))
+
+
+def _ring_senders(heads: _HeadsHeld) -> RingSenders:
     senders = heads.keeper[heads.previous_group[heads.rank], heads.head]
     heads_out = np.bincount(senders, minlength=heads.world)
     return _links(heads.world, heads.rank, senders, heads.kv_counts, heads_out)
@@ -119,7 +129,10 @@ def dkv_ring_senders(layout: AttentionLayout) -> RingSenders:
     """The backward hops of the FP32 dK/dV accumulators: each K/V head goes from its keeper
     in the previous group to its keeper in this group. A rank that keeps no head receives
     nothing (a link to itself with no heads)."""
-    heads = _HeadsHeld(layout)
+    return _dkv_ring_senders(_HeadsHeld(layout))
+
+
+def _dkv_ring_senders(heads: _HeadsHeld) -> RingSenders:
     receivers = heads.keeper.ravel()  # [group x head] this group's keeper of the head
     previous = np.roll(heads.keeper, 1, axis=0).ravel()  # the previous group's keeper
     heads_in = np.bincount(receivers, minlength=heads.world)
@@ -170,7 +183,10 @@ class FoldLinks:
 
 
 def fold_links(layout: AttentionLayout) -> FoldLinks:
-    heads = _HeadsHeld(layout)
+    return _fold_links(_HeadsHeld(layout))
+
+
+def _fold_links(heads: _HeadsHeld) -> FoldLinks:
     keepers = heads.keeper[heads.group, heads.head]
     shared = keepers != heads.rank
     world = np.int64(heads.world)

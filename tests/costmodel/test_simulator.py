@@ -210,5 +210,6 @@ def test_tables_shared_between_simulations_change_no_prediction():
         together = simulate_step(cluster, model, train, layout, cost, shared=shared)
         assert together.rank_times == alone.rank_times
         assert together.step_time_s == alone.step_time_s
-    # senders, dK/dV senders, folds, the all-to-all's padded groups: two head splits
-    assert len(shared) == 4 * 2
+    # the ring's traffic (senders, dK/dV senders, folds), the all-to-all's padded groups:
+    # two head splits
+    assert len(shared) == 2 * 2

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from hexiseq.costmodel._traffic import dkv_ring_senders, fold_links, ring_senders
+from hexiseq.costmodel._traffic import dkv_ring_senders, fold_links, ring_senders, ring_traffic
 from hexiseq.layout import AttentionLayout, apportion, build_zigzag_layout, kv_keepers
 
 
@@ -94,11 +94,17 @@ def assert_links(found, senders_of, heads_in, heads_out) -> None:
         assert table.dtype == np.int64
 
 
+def one_by_one(layout: AttentionLayout):
+    return ring_senders(layout), dkv_ring_senders(layout), fold_links(layout)
+
+
+@pytest.mark.parametrize("tables", [one_by_one, ring_traffic])
 @pytest.mark.parametrize("seed", range(60))
-def test_traffic_tables_match_the_rank_by_rank_reference(seed):
+def test_traffic_tables_match_the_rank_by_rank_reference(seed, tables):
     layout = random_layout(random.Random(seed))
-    assert_links(ring_senders(layout), *reference_senders(layout))
-    assert_links(dkv_ring_senders(layout), *reference_dkv_senders(layout))
-    folds, expected = fold_links(layout), reference_folds(layout)
+    senders, dkv_senders, folds = tables(layout)
+    assert_links(senders, *reference_senders(layout))
+    assert_links(dkv_senders, *reference_dkv_senders(layout))
+    expected = reference_folds(layout)
     found = zip(folds.folders.tolist(), folds.keepers.tolist(), folds.heads.tolist())
     assert [((a, b), n) for a, b, n in found] == sorted(expected.items())
