@@ -4,10 +4,12 @@ The 2-core machine's speed drifts by 10-15 % from one hour to the next, so two
 planner_scaling runs taken at different times say little about a change. This script checks
 the earlier revision out into a temporary git worktree, imports hexiseq from there (the
 package-dir mapping of pyproject.toml), and alternates the two trees round by round, each
-round a fresh process per tree. A cell's time is the median process time of `--repeats`
+round a fresh process per tree. A cell's time is the median wall time of `--repeats`
 searches after one warm-up (planner_scaling's clusters, Llama-3-8B at 1M tokens, 512K where
 nothing fits); the table gives each tree's median over the rounds, the change, and whether
-the two trees' best plans run equally fast.
+the two trees' best plans run equally fast. Wall time, not this process's CPU time: a search
+may score its baselines in a forked process beside the study (`search.beside`), whose CPU
+time the parent's would leave out, and the parent's time blocked waiting for it too.
 
 Run: `.venv/bin/python benchmarks/planner_ab.py --baseline REV [--rounds 3] [--repeats 5]
 [CELL ...]` with cells as GPUSxTYPES (default: every cell of planner_scaling up to 128 GPUs).
@@ -68,7 +70,7 @@ class _TreeFinder(importlib.abc.MetaPathFinder):
 
 
 def measure(tree: Path, cells: list[str], repeats: int) -> dict:
-    """{cell: {"seconds": median process time, "tokens_per_s": the best plan's}} with
+    """{cell: {"seconds": median wall time, "tokens_per_s": the best plan's}} with
     hexiseq imported from `tree`."""
     sys.meta_path.insert(0, _TreeFinder(tree))  # so both imports take `tree`'s hexiseq
     from planner_scaling import MODEL, SEQ_LENS, build_cluster
@@ -84,9 +86,9 @@ def measure(tree: Path, cells: list[str], repeats: int) -> dict:
         seq_len, result = _fitting_search(hexiseq, cluster, MODEL, SEQ_LENS)
         seconds = []
         for _ in range(repeats):
-            started = time.process_time()
+            started = time.perf_counter()
             hexiseq.plan_search(cluster, MODEL, seq_len)
-            seconds.append(time.process_time() - started)
+            seconds.append(time.perf_counter() - started)
         found[cell] = {
             "seconds": statistics.median(seconds),
             "tokens_per_s": result.best.predicted.tokens_per_s,
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             "## Planner A/B (interleaved)\n\n"
             f"Default `plan_search`, this tree ({head}{dirty}) against {revision}: "
             f"{args.rounds} alternating rounds, a fresh process per tree each round; a "
-            f"cell's time is the median process time of {args.repeats} searches after one "
+            f"cell's time is the median wall time of {args.repeats} searches after one "
             f"warm-up, then the median over the rounds (2 CPU cores, {stamp}). "
             '"best plan": the change in the best plan\'s predicted throughput (same: the '
             f"very same number).\n\n{table}\n\nProduced by `{command}`.",
