@@ -21,7 +21,7 @@ from hexiseq.search.baselines import (
     data_parallel,
     strongest,
 )
-from hexiseq.search.beside import score_beside
+from hexiseq.search.beside import baselines_worth_forking, score_beside
 from hexiseq.search.options import SearchOptions, search_options
 from hexiseq.search.optuna_layer import Trial, run_study, trial_of
 from hexiseq.search.replicas import replica_plan
@@ -177,7 +177,7 @@ def _search(
 
 
 def _planned(problem: Problem, options: SearchOptions) -> SearchResult:
-    beside = options.storage is None and not options.searching
+    beside = options.beside and baselines_worth_forking(problem)
     pending = score_beside(problem, _baselines, beside)
     try:
         outcome = run_study(problem, options)

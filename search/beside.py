@@ -4,7 +4,7 @@ while this one searches.
 The baselines (uniform grids on the whole cluster and on each GPU type's nodes, ring-only,
 Ulysses-only, the data-parallel replicas) need nothing the study finds, and the study needs
 nothing they find, so the default search (no sampling, no stored study) forks a process for
-them where that is safe: on Linux (`sampling.WORKER_START`), with a second CPU to run on, and
+them where that is safe: on Linux (`FORKS`), with a second CPU to run on, and
 no other thread in this process (a fork copies one thread; a lock another thread held would
 stay held in the child). The child scores them on the same problem as it stood at the fork,
 so it finds exactly what this process would; this process takes them when the study is done.
@@ -14,7 +14,14 @@ before: the same results, later.
 
 On 2 cores the baselines were 20-36 % of a default search on 64-128 GPUs
 (`benchmarks/planner_breakdown.py`); the fork and the transfer back cost this process about
-5 ms, and the searches took 16-18 % less time (`benchmarks/planner_ab.py`).
+5 ms, and the searches took 16-26 % less wall time (`benchmarks/planner_ab.py`). The answer
+comes back through a pipe from the child this process forked (multiprocessing pickles it on
+the way); nothing from a file or from another program is unpickled.
+
+Smaller pieces of work do not pay for a fork: after it, every object either process touches
+(even to count a reference) copies its memory page. Splitting each of the polish's batches of
+full evaluations with a child made 16-32 GPU searches 9 % faster to 31 % slower (interleaved
+A/B, same plans), and was dropped.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -30,12 +38,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from hexiseq.search._evaluate import Problem
-from hexiseq.search.sampling import FORK_WARNING, WORKER_START
 
 BESIDE_MIN_DEVICES = 64
 """Smaller clusters score their baselines in this process: on 16 and 32 GPUs they are 8-11 %
 of a search, and forking for them made no difference beyond the noise (-9 % to +9 % by cell
 in an interleaved A/B, `benchmarks/planner_ab.py`)."""
+FORKS = sys.platform.startswith("linux")
+"""Where this module and the search's scoring workers (`search.sampling.WORKER_START`) fork
+processes; elsewhere (macOS's system libraries are not safe to fork) they do not."""
+FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
+"""Python 3.12 on warns at any fork of a process that runs threads; the forks here happen
+where no Python thread runs but HiGHS's pool may (`search._highs` starts a fresh one in the
+child), and the warning is left out."""
 BESIDE_WAIT_FACTOR = 4.0
 BESIDE_MIN_WAIT_S = 2.0
 """How long this process waits for the child once the study is done: BESIDE_WAIT_FACTOR x
@@ -89,9 +103,9 @@ def score_beside(problem: Problem, score: Callable[[Problem], Any], allowed: boo
     """Start `score(problem)` in a forked process where `allowed` and safe (module doc);
     `result()` of what this returns gives its value either way."""
     pending = Pending(problem, score)
-    if not (allowed and _safe_to_fork(problem)):
+    if not (allowed and safe_to_fork()):
         return pending
-    context = multiprocessing.get_context(WORKER_START)
+    context = multiprocessing.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
     process = context.Process(target=_child, args=(problem, score, writer), daemon=True)
     try:
@@ -107,14 +121,26 @@ def score_beside(problem: Problem, score: Callable[[Problem], Any], allowed: boo
     return pending
 
 
-def _safe_to_fork(problem: Problem) -> bool:
+def baselines_worth_forking(problem: Problem) -> bool:
+    """Whether the cluster is large enough for its baselines to pay for a fork
+    (BESIDE_MIN_DEVICES)."""
+    return problem.cluster.world_size >= BESIDE_MIN_DEVICES
+
+
+def safe_to_fork() -> bool:
+    """Whether a fork here is safe and can run beside this process (module doc)."""
     return (
-        WORKER_START == "fork"
-        and problem.cluster.world_size >= BESIDE_MIN_DEVICES
-        and threading.active_count() == 1
+        FORKS
+        and _only_thread()
         and not multiprocessing.current_process().daemon  # it may have no children
         and _cpus() >= 2
     )
+
+
+def _only_thread() -> bool:
+    """Whether this is the process's one Python thread (a progress bar's monitor, a study
+    writer or the caller's threads keep the work here)."""
+    return threading.active_count() == 1
 
 
 def _cpus() -> int:

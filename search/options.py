@@ -93,6 +93,12 @@ class SearchOptions(BaseModel):
         """Whether the Optuna layer samples beyond the short list."""
         return self.n_trials is not None or self.time_budget_s is not None
 
+    @property
+    def beside(self) -> bool:
+        """Whether the search may fork processes to score beside it (`search.beside`): the
+        default search, which neither samples nor keeps a stored study."""
+        return self.storage is None and not self.searching
+
 
 def search_options(**keywords: Any) -> SearchOptions:
     """`SearchOptions(**keywords)`, bad values as one `InputError` (passwords masked)."""

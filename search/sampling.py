@@ -29,7 +29,6 @@ import gc
 import multiprocessing
 import os
 import signal
-import sys
 import time
 import uuid
 import warnings
@@ -44,10 +43,11 @@ from dataclasses import dataclass, field
 
 import optuna
 
+from hexiseq.search.beside import FORK_WARNING, FORKS
 from hexiseq.search.objective import Objective
 from hexiseq.search.options import SearchOptions
 
-WORKER_START = "fork" if sys.platform.startswith("linux") else "spawn"
+WORKER_START = "fork" if FORKS else "spawn"
 """How scoring workers start. On Linux they are forked: a worker is ready in milliseconds
 with this process's modules imported. A spawned worker imports hexiseq anew (0.8 s of CPU
 each on this 2-core machine, beside the sampling process): spawned, 2 workers ran a
@@ -59,7 +59,6 @@ The workers fork at the first trial sent, before the study writer's thread start
 first finished trial). Other threads may run then (tqdm's monitor of a progress bar,
 HiGHS's pool, the caller's): a worker only scores (no output, no store, no progress bar),
 takes none of their locks, and starts a HiGHS pool of its own (`search._highs`)."""
-FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
 SYNC_S = 5.0
 """How often the mirror takes in the trials other processes finished in the stored study."""
 WRITER_ATTR = "hexiseq_writer"

@@ -27,10 +27,16 @@ def problem_on(preset: str) -> Problem:
     )
 
 
+ONLY_THREAD = beside._only_thread
+
+
 @pytest.fixture(autouse=True)
-def two_cpus(monkeypatch):
-    """The machine's CPU count is not the test's business: forking is allowed to need two."""
+def two_cpus_one_thread(monkeypatch):
+    """The machine's CPU count is not the test's business, nor the threads earlier tests
+    left behind (a progress bar's monitor lives as long as the process): forking is allowed
+    to need two CPUs and one thread."""
     monkeypatch.setattr(beside, "_cpus", lambda: 2)
+    monkeypatch.setattr(beside, "_only_thread", lambda: True)
 
 
 def pid_and_devices(problem: Problem) -> tuple[int, int]:
@@ -45,14 +51,19 @@ def test_a_large_cluster_is_scored_in_a_child_process():
     assert not pending.forked  # reaped
 
 
-@pytest.mark.parametrize(("preset", "allowed"), [("h100x8-a100x24", True), ("mix2-128", False)])
-def test_a_small_cluster_or_a_search_not_allowed_is_scored_here(preset, allowed):
-    pending = beside.score_beside(problem_on(preset), pid_and_devices, allowed=allowed)
+def test_a_search_not_allowed_to_fork_scores_here():
+    pending = beside.score_beside(problem_on("mix2-128"), pid_and_devices, allowed=False)
     assert not pending.forked
     assert pending.result()[0] == os.getpid()
 
 
-def test_with_another_thread_running_it_is_scored_here():
+def test_only_large_clusters_fork_for_their_baselines():
+    assert not beside.baselines_worth_forking(problem_on("h100x8-a100x24"))  # 32 devices
+    assert beside.baselines_worth_forking(problem_on("mix2-128"))
+
+
+def test_with_another_thread_running_it_is_scored_here(monkeypatch):
+    monkeypatch.setattr(beside, "_only_thread", ONLY_THREAD)
     release = threading.Event()
     other = threading.Thread(target=release.wait)
     other.start()
@@ -150,6 +161,8 @@ def test_plan_search_reports_the_same_baselines_scored_beside_the_study(monkeypa
     found = describe(plan_search("mix4-128", "llama3-8b", "1M"))
     monkeypatch.setattr(beside, "BESIDE_MIN_DEVICES", 10**9)
     here = describe(plan_search("mix4-128", "llama3-8b", "1M"))
-    assert forked == [True, False]
+    small = plan_search("h100x8-a100x24", "llama3-8b", "1M")  # 32 devices: never forked
+    assert forked == [True, False, False]
     assert found == here
     assert set(found) >= {"uniform-usp", "ring-only", "ulysses-only", "homogeneous-subset"}
+    assert small.baselines
