@@ -173,7 +173,7 @@ def _search(
     try:
         return _planned(problem, options)
     finally:
-        problem.cache.clear()
+        problem.cache.clear()  # its local models refer back to it: freed now, not by gc
 
 
 def _planned(problem: Problem, options: SearchOptions) -> SearchResult:

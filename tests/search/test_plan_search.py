@@ -94,6 +94,21 @@ def test_default_search_pauses_the_collector_and_restores_it(monkeypatch, enable
         gc.enable()
 
 
+def test_a_search_leaves_no_garbage_for_the_collector():
+    """The search's cache holds cycles (its local models refer back to it): it is freed when
+    the search returns, not left to the collector (21,245 objects on 128 GPUs before)."""
+    import gc
+
+    plan_search("h100x8-a100x8", "llama-30b", "256k")  # imports, presets, cost tables
+    gc.collect()
+    gc.disable()
+    try:
+        plan_search("h100x8-a100x8", "llama-30b", "256k")
+        assert gc.collect() == 0
+    finally:
+        gc.enable()
+
+
 def test_emulated_slow_ranks_get_less_work():
     result = plan_search("cpu-emulated-2type", "tiny", 8192)
     fast = [a.tokens for a in result.best.assignments if a.node == "fast"]
