@@ -43,6 +43,23 @@ def pid_and_devices(problem: Problem) -> tuple[int, int]:
     return os.getpid(), problem.cluster.world_size
 
 
+def in_child_only(action):
+    """A score that does `action()` first in a child process (not in this one), then
+    answers `pid_and_devices`."""
+    parent = os.getpid()
+
+    def score(problem: Problem):
+        if os.getpid() != parent:
+            action()
+        return pid_and_devices(problem)
+
+    return score
+
+
+def raise_(error: Exception):
+    raise error
+
+
 def test_a_large_cluster_is_scored_in_a_child_process():
     pending = beside.score_beside(problem_on("mix2-128"), pid_and_devices, allowed=True)
     assert pending.forked
@@ -78,12 +95,7 @@ def test_with_another_thread_running_it_is_scored_here(monkeypatch):
 
 def test_what_fails_in_the_child_is_scored_here_and_raises_here():
     parent = os.getpid()
-
-    def fails_in_child(problem: Problem):
-        if os.getpid() != parent:
-            raise RuntimeError("child only")
-        return pid_and_devices(problem)
-
+    fails_in_child = in_child_only(lambda: raise_(RuntimeError("child only")))
     pending = beside.score_beside(problem_on("mix2-128"), fails_in_child, allowed=True)
     assert pending.forked
     assert pending.result()[0] == parent
@@ -98,27 +110,16 @@ def test_what_fails_in_the_child_is_scored_here_and_raises_here():
 
 
 def test_a_child_that_dies_leaves_the_scoring_here():
-    parent = os.getpid()
-
-    def dies_in_child(problem: Problem):
-        if os.getpid() != parent:
-            os._exit(3)
-        return pid_and_devices(problem)
-
+    dies_in_child = in_child_only(lambda: os._exit(3))
     pending = beside.score_beside(problem_on("mix2-128"), dies_in_child, allowed=True)
-    assert pending.result()[0] == parent
+    assert pending.result()[0] == os.getpid()
 
 
 def test_a_child_too_slow_is_stopped_and_the_scoring_done_here(monkeypatch):
     monkeypatch.setattr(beside, "BESIDE_MIN_WAIT_S", 0.3)
     monkeypatch.setattr(beside, "BESIDE_WAIT_FACTOR", 0.0)
     parent = os.getpid()
-
-    def hangs_in_child(problem: Problem):
-        if os.getpid() != parent:
-            time.sleep(60)
-        return pid_and_devices(problem)
-
+    hangs_in_child = in_child_only(lambda: time.sleep(60))
     pending = beside.score_beside(problem_on("mix2-128"), hangs_in_child, allowed=True)
     child = pending.process
     started = time.perf_counter()
