@@ -12,9 +12,10 @@ Where the child cannot answer (no fork, it failed, it died, it is still not done
 `BESIDE_WAIT_FACTOR` x the study's time after the study), this process scores them itself, as
 before: the same results, later.
 
-On 2 cores the baselines were 20-36 % of a default search on 64-128 GPUs
+On 2 cores the baselines were 6-36 % of a default search on 64-128 GPUs
 (`benchmarks/planner_breakdown.py`); the fork and the transfer back cost this process about
-5 ms, and the searches took 16-26 % less wall time (`benchmarks/planner_ab.py`). The answer
+5 ms, and the searches of 2-8 types took 9-21 % less wall time (`benchmarks/planner_ab.py`;
+one type, where the baselines are few: within noise). The answer
 comes back through a pipe from the child this process forked (multiprocessing pickles it on
 the way); nothing from a file or from another program is unpickled.
 
