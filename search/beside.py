@@ -104,7 +104,7 @@ def score_beside(problem: Problem, score: Callable[[Problem], Any], allowed: boo
     """Start `score(problem)` in a forked process where `allowed` and safe (module doc);
     `result()` of what this returns gives its value either way."""
     pending = Pending(problem, score)
-    if not (allowed and safe_to_fork()):
+    if not (allowed and _safe_to_fork()):
         return pending
     context = multiprocessing.get_context("fork")
     reader, writer = context.Pipe(duplex=False)
@@ -128,7 +128,7 @@ def baselines_worth_forking(problem: Problem) -> bool:
     return problem.cluster.world_size >= BESIDE_MIN_DEVICES
 
 
-def safe_to_fork() -> bool:
+def _safe_to_fork() -> bool:
     """Whether a fork here is safe and can run beside this process (module doc)."""
     return (
         FORKS
