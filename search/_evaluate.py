@@ -154,6 +154,19 @@ def build_plan(
     knobs: dict[str, Any],
     prediction: StepPrediction,
 ) -> Plan:
+    return plan_from(problem, layout, fractions, name, knobs, plan_prediction(prediction))
+
+
+def plan_from(
+    problem: Problem,
+    layout: AttentionLayout,
+    fractions: Sequence[float],
+    name: str,
+    knobs: dict[str, Any],
+    predicted: Prediction,
+) -> Plan:
+    """The plan of `layout` and state `fractions` on `problem`'s cluster, predicted as
+    `predicted`."""
     devices = problem.cluster.devices
     tokens = layout.token_counts
     assignments = tuple(
@@ -176,7 +189,7 @@ def build_plan(
         layout,
         assignments,
         dict(knobs),
-        plan_prediction(prediction),
+        predicted,
     )
 
 

@@ -21,7 +21,8 @@ from hexiseq.search.baselines import (
     data_parallel,
     strongest,
 )
-from hexiseq.search.beside import baselines_worth_forking, score_beside
+from hexiseq.search.beside import score_beside
+from hexiseq.search.helper import helping
 from hexiseq.search.options import SearchOptions, search_options
 from hexiseq.search.optuna_layer import Trial, run_study, trial_of
 from hexiseq.search.replicas import replica_plan
@@ -177,13 +178,10 @@ def _search(
 
 
 def _planned(problem: Problem, options: SearchOptions) -> SearchResult:
-    beside = options.beside and baselines_worth_forking(problem)
-    pending = score_beside(problem, _baselines, beside)
-    try:
+    with helping(problem, options.beside):
+        pending = score_beside(problem, _baselines)
         outcome = run_study(problem, options)
         baselines, parallel = pending.result()
-    finally:
-        pending.close()
     trials = outcome.records + [trial_of({}, b) for b in baselines.values()]
     candidates = [outcome.best] if outcome.best is not None else []
     candidates += outcome.infeasible + list(baselines.values())

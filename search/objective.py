@@ -4,12 +4,15 @@ searched over this search's space and step."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import optuna
 
 from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import RING_ORDERS, GlobalChoices, candidate_hp_degrees, chunk_quantum
+from hexiseq.search.helper import evaluate_batch, has_helper
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.options import SearchOptions
 
@@ -45,11 +48,14 @@ def params_of(choices: GlobalChoices, quantum: int) -> dict:
 
 
 class Objective:
-    """Scores trials; remembers every plan it built (trials repeating a choice are free)."""
+    """Scores trials; remembers every plan it built (trials repeating a choice are free).
+    With `beside`, batches of plans (`plans`) are built partly in a helper process
+    (`search.helper`) where one may run."""
 
-    def __init__(self, problem: Problem, multi_objective: bool) -> None:
+    def __init__(self, problem: Problem, multi_objective: bool, beside: bool = False) -> None:
         self.problem = problem
         self.multi_objective = multi_objective
+        self.beside = beside
         self.cache: dict[tuple, Plan | InfeasiblePlan] = {}
         self.quanta = quantum_choices(problem)
 
@@ -80,6 +86,32 @@ class Objective:
         if key not in self.cache:
             self.cache[key] = plan_for_choices(self.problem, choices)
         return self.cache[key]
+
+    def plans(self, batch: list[GlobalChoices]) -> list[Plan | InfeasiblePlan]:
+        """`plan` of each of `batch`, in order; those not built yet are built together (the
+        later half in the helper process, with `beside`) and remembered in batch order."""
+        if self.beside:
+            fresh = list({c.key(): c for c in batch if c.key() not in self.cache}.values())
+            for choices, plan in zip(fresh, evaluate_batch(self.problem, fresh, self.plan)):
+                self.cache.setdefault(choices.key(), plan)
+        return [self.plan(choices) for choices in batch]
+
+    def guess(
+        self, choices: GlobalChoices, following: Callable[[], GlobalChoices | None]
+    ) -> tuple[GlobalChoices | None, Plan | InfeasiblePlan | None]:
+        """Build `plan(choices)`; where the search has a helper (`search.helper`), build the
+        plan of `following()` there meanwhile. Returns that candidate and its plan *without*
+        remembering it (or Nones): the caller keeps it with `remember` only where it would
+        have built it anyway."""
+        ahead = following() if self.beside and has_helper(self.problem) else None
+        if ahead is None or ahead.key() in self.cache or choices.key() in self.cache:
+            self.plan(choices)
+            return None, None
+        _, guessed = evaluate_batch(self.problem, [choices, ahead], self.plan)
+        return ahead, guessed
+
+    def remember(self, choices: GlobalChoices, plan: Plan | InfeasiblePlan) -> None:
+        self.cache.setdefault(choices.key(), plan)
 
     def sample(self, trial: optuna.Trial) -> GlobalChoices:
         """The trial's choices, sampled (Optuna's suggestions)."""

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import optuna
 
@@ -82,7 +83,7 @@ def run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
 
 def _run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
     optuna.logging.set_verbosity(logging.WARNING)
-    objective = Objective(problem, options.multi_objective)
+    objective = Objective(problem, options.multi_objective, beside=options.beside)
     name = options.study_name or default_study_name(problem, options)
     study = create_study(options.storage, name, options.seed, options.multi_objective, objective)
     check_search_space(study, problem)
@@ -120,6 +121,7 @@ def _polish(study, objective: Objective, options: SearchOptions, started: float)
         objective.problem,
         starts,
         objective.plan,
+        objective.plans,
         lambda choices: choices.key() in objective.cache,
         objective.quanta,
         polish_evaluations(objective.problem.cluster.world_size),
@@ -147,15 +149,29 @@ def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
     is scored here and added to the study finished, in one write: never a waiting trial that
     two processes sharing the study could both take (SQLite cannot lock it), nor a running
     one a kill could leave behind. Returns how many trials it added."""
+    problem = objective.problem
     quantum = objective.quanta[len(objective.quanta) // 2]
     best_step_s, added = math.inf, 0
-    for choices in shortlist(objective.problem, objective.quanta)[:limit]:
-        if added and hopeless(objective.problem, choices, best_step_s):
+    waiting = shortlist(problem, objective.quanta)[:limit]
+    for index, choices in enumerate(waiting):
+        if added and hopeless(problem, choices, best_step_s):
             continue
+        # The next candidate not hopeless yet is built beside this one, and kept if it is
+        # still not hopeless once this one is scored (as it would then be built next).
+        ahead, guessed = objective.guess(
+            choices, partial(_next_hopeful, problem, waiting[index + 1 :], best_step_s)
+        )
         study.add_trial(objective.scored_trial(params_of(choices, quantum)))
         best_step_s = min(best_step_s, step_s(objective.plan(choices)))
         added += 1
+        if ahead is not None and not hopeless(problem, ahead, best_step_s):
+            objective.remember(ahead, guessed)
     return added
+
+
+def _next_hopeful(problem, candidates: list, best_step_s: float):
+    """The first of `candidates` not hopeless beside `best_step_s`, or None."""
+    return next((c for c in candidates if not hopeless(problem, c, best_step_s)), None)
 
 
 def _outcome(

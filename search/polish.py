@@ -62,14 +62,16 @@ def polish(
     problem: Problem,
     starts: list[tuple[GlobalChoices, float]],
     plan_of: Callable[[GlobalChoices], Plan | InfeasiblePlan],
+    plans_of: Callable[[list[GlobalChoices]], list[Plan | InfeasiblePlan]],
     is_scored: Callable[[GlobalChoices], bool],
     quanta: list[int],
     evaluations: int,
     deadline: float | None,
 ) -> list[Scored]:
     """Local search from `starts` ((choices, tokens/s), best first); returns what it
-    scored. `plan_of` builds (and remembers) a candidate's plan, `is_scored` says whether
-    it already has one; `deadline` is a perf_counter time or None."""
+    scored. `plan_of` builds (and remembers) a candidate's plan, `plans_of` those of a batch
+    (the same plans, built together: `Objective.plans`), `is_scored` says whether it already
+    has one; `deadline` is a perf_counter time or None."""
     scored: list[Scored] = []
     for current, score in starts[:POLISH_STARTS]:
         while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
@@ -78,10 +80,10 @@ def polish(
             first, later = _worth_evaluating(problem, current, current_plan, fresh, is_scored)
             batch = first[:evaluations]
             evaluations -= len(batch)
-            plans = [plan_of(choices) for choices in batch]
+            plans = plans_of(batch)
             second = later(plan_of)[:evaluations]
             evaluations -= len(second)
-            plans += [plan_of(choices) for choices in second]
+            plans += plans_of(second)
             batch += second
             if not batch:
                 break

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import optuna
 
-from hexiseq.search.beside import FORK_WARNING, FORKS
+from hexiseq.search.helper import FORK_WARNING, FORKS
 from hexiseq.search.objective import Objective
 from hexiseq.search.options import SearchOptions
 

@@ -10,6 +10,14 @@ import pytest
 POSTGRESQL_URL_VARIABLE = "HEXISEQ_TEST_POSTGRESQL_URL"
 
 
+@pytest.fixture(autouse=True)
+def searches_without_a_helper(monkeypatch):
+    """Searches keep their work in the test's process: a helper process forked in one test
+    would run that moment's code for later tests that patch it (`search.helper`). The
+    helper's own tests allow it again."""
+    monkeypatch.setenv("HEXISEQ_SEARCH_HELPER", "off")
+
+
 @pytest.fixture
 def postgresql_database() -> Iterator[str]:
     """URL of a new, empty database on the PostgreSQL server that HEXISEQ_TEST_POSTGRESQL_URL

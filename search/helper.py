@@ -1,0 +1,332 @@
+"""A helper process that works beside the default search: forked once, kept for later searches.
+
+The default search has work that does not depend on what it is doing meanwhile: the baselines
+(`search.beside`), and batches of candidates whose plans do not depend on each other (the
+polish's neighbours, `search.polish`; two at a time, the short list, `search.optuna_layer`).
+Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
+search forks one helper process, and the process keeps it for its later searches. A search
+holds it from start to end (`helping`): it sends the baselines first, and later the second
+half of each batch while this process evaluates the first; both run at once on two CPUs.
+
+Forked once, not once a search or a batch: after a fork every memory page either process
+touches (even to count a reference) is copied. Forking a child per batch made 16-32 GPU
+searches up to 31 % slower, and a child per search for the baselines paid only from 64 GPUs;
+here each page is copied once, in the first search.
+
+Per search the helper gets the problem (without its cache) once, and with each batch the
+busy-rate tables this process has found (`screen.group_rates`): those depend on the order
+candidates were scored in, and with them the helper finds the very plans this process would.
+It sends each plan's parts back (layout, state shares, knobs, prediction: not the cluster and
+model, which this process has), and the plan is made here around this process's own objects.
+A batch goes to the helper only while it has nothing else to do (the baselines may take longer
+than the study's first batches on large clusters): otherwise this process evaluates it all.
+
+The helper runs the code and module state of the moment it was forked (each search's inputs
+travel to it with the search). `HEXISEQ_SEARCH_HELPER=off` in the environment keeps every
+search's work in its own process (the test suite does, so that a test's patches hold).
+
+Where the helper cannot answer (what it ran raised, it died, or it is still not done
+`wait_s` after this process asked), this process does the work itself: the same results,
+later. A helper that failed to answer is stopped; the next search forks another. Answers come
+back through a pipe from the helper this process forked (multiprocessing pickles them on the
+way); nothing from a file or from another program is unpickled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from hexiseq.errors import InputError
+from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.search._evaluate import Problem, plan_from
+from hexiseq.search.greedy import GlobalChoices
+from hexiseq.search.hierarchy import plan_for_choices
+
+FORKS = sys.platform.startswith("linux")
+"""Where this module and the search's scoring workers (`search.sampling.WORKER_START`) fork
+processes; elsewhere (macOS's system libraries are not safe to fork) they do not."""
+FORK_WARNING = r".*multi-threaded, use of fork\(\) may lead to deadlocks"
+"""Python 3.12 on warns at any fork of a process that runs threads; the forks here happen
+where no Python thread runs but HiGHS's pool may (`search._highs` starts a fresh one in the
+child), and the warning is left out."""
+BATCH_WAIT_FACTOR = 4.0
+BATCH_MIN_WAIT_S = 2.0
+"""How long this process waits for the helper's half of a batch once its own half is done:
+BATCH_WAIT_FACTOR x its own half's seconds (the halves are about as long), at least
+BATCH_MIN_WAIT_S."""
+
+HELPER_VARIABLE = "HEXISEQ_SEARCH_HELPER"
+HELPER_SETTINGS = {"on": True, "1": True, "yes": True, "off": False, "0": False, "no": False}
+
+Scored = Plan | InfeasiblePlan
+
+
+@contextmanager
+def helping(problem: Problem, allowed: bool) -> Iterator[None]:
+    """Let `problem`'s search use the helper until it ends, where `allowed` and no other
+    thread's search holds it."""
+    global _HOLDER
+    if not (allowed and _wanted()) or not _LOCK.acquire(blocking=False):
+        yield
+        return
+    try:
+        _HOLDER = _search_id(problem)
+        yield
+    finally:
+        _HOLDER = None
+        _LOCK.release()
+
+
+def start(problem: Problem, work: Callable[..., Any], *args) -> int | None:
+    """Start `work(problem, *args)` in the helper (`work` a module-level function); returns
+    a ticket for `result`, or None where the search has no helper."""
+    helper = _helper_of(problem)
+    return None if helper is None else helper.call(problem, work, args)
+
+
+def result(problem: Problem, ticket: int | None, wait_s: float) -> tuple[Any] | None:
+    """`(value,)` of the work `ticket` started, waiting at most `wait_s`; None where there is
+    none (no ticket, the work raised, the helper died or is too slow: it is then stopped)."""
+    helper = _helper_of(problem)
+    if ticket is None or helper is None:
+        return None
+    answer = helper.take(ticket, wait_s)
+    if answer is None:
+        _stop()
+    return answer
+
+
+def has_helper(problem: Problem) -> bool:
+    """Whether `problem`'s search has a helper with nothing else to do."""
+    helper = _helper_of(problem)
+    return helper is not None and helper.idle()
+
+
+def evaluate_batch(
+    problem: Problem,
+    batch: Sequence[GlobalChoices],
+    evaluate: Callable[[GlobalChoices], Scored],
+) -> list[Scored]:
+    """`[evaluate(c) for c in batch]`, the later half built by the helper where the search
+    has one with nothing else to do (module doc). `evaluate` (which may remember what it
+    builds) is called here on the first half, in order; the helper's plans are returned
+    without `evaluate` seeing them."""
+    helper = _helper_of(problem)
+    if len(batch) < 2 or helper is None or not helper.idle():
+        return [evaluate(choices) for choices in batch]
+    half = len(batch) // 2
+    mine, theirs = batch[:-half], batch[-half:]
+    ticket = helper.call(problem, _evaluated, (list(theirs),))
+    started_s = time.perf_counter()
+    plans = [evaluate(choices) for choices in mine]
+    wait_s = max(BATCH_MIN_WAIT_S, BATCH_WAIT_FACTOR * (time.perf_counter() - started_s))
+    answer = result(problem, ticket, wait_s)
+    if answer is None:
+        return plans + [evaluate(choices) for choices in theirs]
+    return plans + [_plan(problem, parts) for parts in answer[0]]
+
+
+def safe_to_fork() -> bool:
+    """Whether a fork here is safe and can run beside this process: on Linux (`FORKS`), in
+    the process's one thread (a fork copies one thread; a lock another thread held would stay
+    held in the child), not a daemon (it may have no children), with a second CPU."""
+    return (
+        FORKS and _only_thread() and not multiprocessing.current_process().daemon and _cpus() >= 2
+    )
+
+
+def _wanted() -> bool:
+    """Whether the environment lets searches have a helper (HELPER_VARIABLE; unset: yes)."""
+    setting = os.environ.get(HELPER_VARIABLE, "on").strip().lower()
+    if setting not in HELPER_SETTINGS:
+        allowed = ", ".join(HELPER_SETTINGS)
+        raise InputError(f"{HELPER_VARIABLE}={setting!r} is not one of {allowed}")
+    return HELPER_SETTINGS[setting]
+
+
+def _only_thread() -> bool:
+    """Whether this is the process's one Python thread (a progress bar's monitor, a study
+    writer or the caller's threads keep the work here)."""
+    return threading.active_count() == 1
+
+
+def _cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass
+class _Helper:
+    """The helper process, the pipe to it, which search's problem it holds, and the answers
+    read but not yet taken."""
+
+    process: Any
+    connection: Any
+    owner_pid: int
+    search_id: int | None = None
+    waiting: set[int] = field(default_factory=set)
+    answers: dict[int, Any] = field(default_factory=dict)
+
+    def call(self, problem: Problem, work: Callable, args: tuple) -> int | None:
+        """Send `work(problem, *args)` (and the problem, once per search, and this process's
+        busy rates); a ticket, or None where the helper is gone."""
+        ticket = next(_TICKETS)
+        try:
+            search_id = _search_id(problem)
+            if self.search_id != search_id:
+                self.connection.send(("problem", search_id, replace(problem, cache={})))
+                self.search_id = search_id
+            rates = {key: dict(table) for key, table in problem.cache.items() if _rates(key)}
+            self.connection.send(("call", ticket, search_id, rates, work, args))
+        except (OSError, ValueError):  # the helper is gone (or the pipe closed)
+            return None
+        self.waiting.add(ticket)
+        return ticket
+
+    def idle(self) -> bool:
+        """Whether every answer asked for is in (read without waiting)."""
+        self._read(wait_s=0.0)
+        return not self.waiting
+
+    def take(self, ticket: int, wait_s: float) -> tuple[Any] | None:
+        deadline = time.perf_counter() + wait_s
+        while ticket in self.waiting:
+            if not self._read(max(0.0, deadline - time.perf_counter())):
+                return None
+        return self.answers.pop(ticket, None)
+
+    def _read(self, wait_s: float) -> bool:
+        """Read one answer, or every one already in (`wait_s` 0); False where none came."""
+        try:
+            if not self.connection.poll(wait_s):
+                return False
+            while True:
+                ticket, answer = self.connection.recv()
+                self.waiting.discard(ticket)
+                self.answers[ticket] = answer
+                if wait_s or not self.connection.poll(0.0):
+                    return True
+        except (EOFError, OSError):  # it died: nothing more will come
+            return False
+
+
+_LOCK = threading.Lock()
+_HOLDER: int | None = None  # the search id of the search holding the helper
+_HELPER: _Helper | None = None
+_SEARCH_IDS = itertools.count()
+_TICKETS = itertools.count()
+
+
+def _helper_of(problem: Problem) -> _Helper | None:
+    """The helper, where `problem`'s search holds it: the one this process forked and still
+    runs, else a new one where a fork is safe; else None."""
+    global _HELPER
+    if _HOLDER is None or _search_id(problem) != _HOLDER:
+        return None
+    if _HELPER is not None and _HELPER.owner_pid != os.getpid():
+        _HELPER = None  # forked with this process: the helper is its parent's
+    if _HELPER is not None and not _HELPER.process.is_alive():
+        _stop()
+    if _HELPER is None and safe_to_fork():
+        _HELPER = _fork()
+    return _HELPER
+
+
+def _fork() -> _Helper | None:
+    context = multiprocessing.get_context("fork")
+    mine, theirs = context.Pipe()
+    process = context.Process(target=_serve, args=(theirs,), daemon=True)
+    try:
+        with warnings.catch_warnings():  # HiGHS's idle pool threads (module doc)
+            warnings.filterwarnings("ignore", FORK_WARNING, DeprecationWarning)
+            process.start()
+    except OSError:  # no process to be had: the work is done here
+        mine.close()
+        return None
+    finally:
+        theirs.close()
+    return _Helper(process, mine, os.getpid())
+
+
+def _stop() -> None:
+    """Stop and reap the helper (a later search forks another)."""
+    global _HELPER
+    helper, _HELPER = _HELPER, None
+    if helper is None or helper.owner_pid != os.getpid():
+        return
+    helper.connection.close()
+    if helper.process.is_alive():
+        helper.process.kill()
+    helper.process.join()
+
+
+def _search_id(problem: Problem) -> int:
+    """A number for the search `problem` belongs to (its cache is the search's)."""
+    return problem.memo("helper search id", lambda: next(_SEARCH_IDS))
+
+
+def _rates(key) -> bool:
+    """Whether a `Problem.cache` key is one of the busy-rate tables (`screen._known_rates`)."""
+    return isinstance(key, tuple) and len(key) == 2 and key[0] == "rates"
+
+
+def _evaluated(problem: Problem, batch: list[GlobalChoices]) -> list:
+    """In the helper: each plan of `batch` as the parts `_plan` makes it from again."""
+    return [_parts(plan_for_choices(problem, choices)) for choices in batch]
+
+
+def _parts(plan: Scored):
+    if isinstance(plan, InfeasiblePlan):
+        return plan
+    fractions = [assignment.state_fraction for assignment in plan.assignments]
+    return plan.train, plan.layout(), fractions, plan.name, plan.knobs, plan.predicted
+
+
+def _plan(problem: Problem, parts) -> Scored:
+    if isinstance(parts, InfeasiblePlan):
+        return parts
+    train, layout, fractions, name, knobs, predicted = parts
+    return plan_from(replace(problem, train=train), layout, fractions, name, knobs, predicted)
+
+
+def _serve(connection) -> None:
+    """In the helper: do what is sent until the pipe closes. Each answer is `(ticket,
+    (value,))`, or `(ticket, None)` where the work raised (this process then does it, and
+    raises what it raises) or its value cannot be sent."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    problem, search_id = None, None
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            return
+        if message[0] == "problem":
+            _, search_id, problem = message
+            continue
+        _, ticket, wanted, rates, work, args = message
+        try:
+            if wanted != search_id:
+                raise LookupError("work of another search")
+            for key, table in rates.items():
+                problem.cache.setdefault(key, {}).update(table)
+            answer = (work(problem, *args),)
+        except Exception:
+            answer = None
+        try:
+            connection.send((ticket, answer))
+        except (OSError, ValueError):
+            return
+        except Exception:  # a value that cannot be pickled: done there instead
+            connection.send((ticket, None))

@@ -1,0 +1,269 @@
+"""The search's helper process (`search.helper`) and the baselines it scores (`search.beside`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+
+from hexiseq import Cluster, ModelSpec, TrainSpec
+from hexiseq.costmodel import DatasheetCostModel
+from hexiseq.errors import InputError
+from hexiseq.plan import Plan
+from hexiseq.search import beside, helper, plan_search
+from hexiseq.search._evaluate import Problem
+from hexiseq.search.greedy import GlobalChoices
+from hexiseq.search.hierarchy import plan_for_choices
+
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the helper is forked on Linux only"
+)
+
+TEST_PID = os.getpid()  # the helper is forked from this process: it sees another pid
+ONLY_THREAD = helper._only_thread
+
+
+def problem_on(preset: str) -> Problem:
+    cluster = Cluster.preset(preset)
+    return Problem(
+        cluster, ModelSpec.preset("llama3-8b"), TrainSpec(seq_len=2**20), DatasheetCostModel()
+    )
+
+
+@pytest.fixture(autouse=True)
+def two_cpus_one_thread(monkeypatch):
+    """The machine's CPU count is not the test's business, nor the threads earlier tests
+    left behind (a progress bar's monitor lives as long as the process): forking is allowed
+    to need two CPUs and one thread. Each test starts and ends with no helper."""
+    monkeypatch.setenv(helper.HELPER_VARIABLE, "on")
+    monkeypatch.setattr(helper, "_cpus", lambda: 2)
+    monkeypatch.setattr(helper, "_only_thread", lambda: True)
+    helper._stop()
+    yield
+    helper._stop()
+
+
+def pid_and_devices(problem: Problem) -> tuple[int, int]:
+    return os.getpid(), problem.cluster.world_size
+
+
+def fails_in_helper(problem: Problem) -> tuple[int, int]:
+    if os.getpid() != TEST_PID:
+        raise RuntimeError("helper only")
+    return pid_and_devices(problem)
+
+
+def always_fails(problem: Problem):
+    raise ValueError("bad problem")
+
+
+def dies_in_helper(problem: Problem) -> tuple[int, int]:
+    if os.getpid() != TEST_PID:
+        os._exit(3)
+    return pid_and_devices(problem)
+
+
+def hangs_in_helper(problem: Problem) -> tuple[int, int]:
+    if os.getpid() != TEST_PID:
+        time.sleep(60)
+    return pid_and_devices(problem)
+
+
+def baselines_pid(problem: Problem, score=pid_and_devices, allowed: bool = True) -> int:
+    with helper.helping(problem, allowed):
+        return beside.score_beside(problem, score).result()[0]
+
+
+def test_the_baselines_are_scored_in_the_helper_and_it_is_kept_for_the_next_search():
+    first = baselines_pid(problem_on("mix2-128"))
+    second = baselines_pid(problem_on("h100x8-a100x8"))
+    assert first != TEST_PID and first == second  # one helper, forked once
+    assert helper._HELPER.process.pid == first
+
+
+def test_a_search_not_allowed_a_helper_scores_here():
+    assert baselines_pid(problem_on("mix2-128"), allowed=False) == TEST_PID
+    assert helper._HELPER is None  # none forked
+
+
+def test_the_environment_can_keep_the_work_here_and_a_bad_setting_is_refused(monkeypatch):
+    monkeypatch.setenv(helper.HELPER_VARIABLE, "OFF")
+    assert baselines_pid(problem_on("mix2-128")) == TEST_PID
+    monkeypatch.setenv(helper.HELPER_VARIABLE, "sometimes")
+    with pytest.raises(InputError, match=r"HEXISEQ_SEARCH_HELPER='sometimes' is not one of on"):
+        plan_search("h100x8-a100x8", "llama3-8b", "1M")
+
+
+def test_with_another_thread_running_no_helper_is_forked(monkeypatch):
+    monkeypatch.setattr(helper, "_only_thread", ONLY_THREAD)
+    release = threading.Event()
+    other = threading.Thread(target=release.wait)
+    other.start()
+    try:
+        assert baselines_pid(problem_on("mix2-128")) == TEST_PID
+        assert helper._HELPER is None
+    finally:
+        release.set()
+        other.join()
+
+
+def test_a_second_search_while_one_holds_the_helper_works_alone():
+    problem, other = problem_on("mix2-128"), problem_on("h100x8-a100x8")
+    with helper.helping(problem, True):
+        assert beside.score_beside(problem, pid_and_devices).result()[0] != TEST_PID
+        assert baselines_pid(other) == TEST_PID  # the helper is held: scored here
+
+
+def test_what_fails_in_the_helper_is_scored_here_and_raises_here():
+    assert baselines_pid(problem_on("mix2-128"), fails_in_helper) == TEST_PID
+    with pytest.raises(ValueError, match="bad problem"):
+        baselines_pid(problem_on("mix2-128"), always_fails)
+
+
+def test_a_helper_that_dies_leaves_the_scoring_here_and_the_next_search_forks_another():
+    assert baselines_pid(problem_on("mix2-128"), dies_in_helper) == TEST_PID
+    assert helper._HELPER is None  # stopped and reaped
+    assert baselines_pid(problem_on("mix2-128")) != TEST_PID
+
+
+def test_a_helper_too_slow_is_stopped_and_the_scoring_done_here(monkeypatch):
+    monkeypatch.setattr(beside, "BESIDE_MIN_WAIT_S", 0.3)
+    monkeypatch.setattr(beside, "BESIDE_WAIT_FACTOR", 0.0)
+    problem = problem_on("mix2-128")
+    with helper.helping(problem, True):
+        pending = beside.score_beside(problem, hangs_in_helper)
+        process = helper._HELPER.process
+        started = time.perf_counter()
+        assert pending.result()[0] == TEST_PID
+    assert time.perf_counter() - started < 10
+    assert not process.is_alive() and helper._HELPER is None
+
+
+def test_a_process_forked_with_its_parents_helper_forks_its_own():
+    first = baselines_pid(problem_on("mix2-128"))
+    parents = helper._HELPER
+    parents.owner_pid = -1  # as a process forked after the helper sees it
+    try:
+        second = baselines_pid(problem_on("mix2-128"))
+        assert second not in (first, TEST_PID)
+        assert parents.process.is_alive()  # not the child's to stop
+    finally:
+        parents.connection.close()
+        parents.process.kill()
+        parents.process.join()
+
+
+BATCH = [
+    GlobalChoices({"H100-SXM": 1, "A100-80G": 1}, "bandwidth", 4096, True),
+    GlobalChoices({"H100-SXM": 2, "A100-80G": 1}, "bandwidth", 4096, True),
+    GlobalChoices({"H100-SXM": 1, "A100-80G": 2}, "interleaved", 4096, True),
+    GlobalChoices({"H100-SXM": 1, "A100-80G": 1}, "fastest-first", 8192, False),
+    GlobalChoices({"H100-SXM": 4, "A100-80G": 4}, "bandwidth", 4096, True),
+]
+
+
+def batch_rows(plans) -> list:
+    return [
+        (p.predicted.tokens_per_s, p.knobs, [a.tokens for a in p.assignments])
+        if isinstance(p, Plan)
+        else p.reason
+        for p in plans
+    ]
+
+
+def test_a_batch_gets_the_plans_this_process_would_build():
+    alone = problem_on("h100x8-a100x8")
+    here = [plan_for_choices(alone, choices) for choices in BATCH]
+    problem, built_here = problem_on("h100x8-a100x8"), []
+
+    def evaluate(choices):
+        built_here.append(choices)
+        return plan_for_choices(problem, choices)
+
+    with helper.helping(problem, True):
+        plans = helper.evaluate_batch(problem, BATCH, evaluate)
+    assert built_here == BATCH[:3]  # the later half was the helper's
+    assert batch_rows(plans) == batch_rows(here)
+    assert [isinstance(p, Plan) for p in plans] == [True, True, True, False, True]
+    assert all(p.cluster is problem.cluster for p in plans if isinstance(p, Plan))
+
+
+def test_a_batch_waits_for_no_helper_busy_with_the_baselines():
+    problem, built_here = problem_on("h100x8-a100x8"), []
+
+    def evaluate(choices):
+        built_here.append(choices)
+        return plan_for_choices(problem, choices)
+
+    with helper.helping(problem, True):
+        pending = beside.score_beside(problem, hangs_in_helper)  # keeps the helper busy
+        helper.evaluate_batch(problem, BATCH, evaluate)
+        assert built_here == BATCH
+    assert pending.beside
+
+
+def describe(result) -> dict:
+    """What a search reports, as plain values."""
+    rows = {"best": (result.best.name, result.best.predicted.tokens_per_s)}
+    rows["trials"] = [(t.tokens_per_s, t.reason, t.params) for t in result.trials]
+    for name, plan in result.baselines.items():
+        value = plan.predicted.tokens_per_s if isinstance(plan, Plan) else plan.reason
+        rows[name] = (plan.name, value)
+    parallel = result.data_parallel
+    rows["data parallel"] = None if parallel is None else parallel.describe()
+    return rows
+
+
+@pytest.mark.parametrize("preset", ["mix4-32", "mix4-128"])
+def test_plan_search_reports_the_same_with_and_without_its_helper(monkeypatch, preset):
+    answered = []
+    take = helper._Helper.take
+
+    def counting(self, ticket, wait_s):
+        answer = take(self, ticket, wait_s)
+        answered.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(helper._Helper, "take", counting)
+    found = describe(plan_search(preset, "llama3-8b", "1M"))
+    # the baselines at least (a batch goes only where the helper is done with them)
+    assert answered and all(answered)
+    monkeypatch.setattr(helper, "safe_to_fork", lambda: False)
+    helper._stop()
+    answered.clear()
+    here = describe(plan_search(preset, "llama3-8b", "1M"))
+    assert not answered
+    assert found == here
+    assert set(found) >= {"uniform-usp", "ring-only", "ulysses-only", "homogeneous-subset"}
+
+
+def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(monkeypatch):
+    """The helper builds the next short-list candidate while this process scores one; where
+    the first one's step makes it hopeless, it is dropped as if never built."""
+    from hexiseq.search import optuna_layer
+
+    first, doomed, last = (replace(c, chunk_quantum=256) for c in BATCH[:3])
+    sent = []
+    call = helper._Helper.call
+
+    def recording(self, problem, work, args):
+        sent.extend(args[0] if args else [])
+        return call(self, problem, work, args)
+
+    def hopeless(problem, choices, best_step_s):
+        return choices.key() == doomed.key() and best_step_s < float("inf")
+
+    monkeypatch.setattr(helper._Helper, "call", recording)
+    monkeypatch.setattr(optuna_layer, "shortlist", lambda problem, quanta: [first, doomed, last])
+    monkeypatch.setattr(optuna_layer, "hopeless", hopeless)
+    result = plan_search("h100x8-a100x8", "llama3-8b", "1M")
+    assert doomed in sent  # built ahead in the helper
+    scored = [t.params for t in result.trials if t.params][:2]
+    degrees = [{k: v for k, v in p.items() if k.startswith("hp_degree")} for p in scored]
+    assert degrees == [
+        {f"hp_degree[{gpu}]": d for gpu, d in c.hp_degrees.items()} for c in (first, last)
+    ]
