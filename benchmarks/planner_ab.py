@@ -8,8 +8,9 @@ round a fresh process per tree. A cell's time is the median wall time of `--repe
 searches after one warm-up (planner_scaling's clusters, Llama-3-8B at 1M tokens, 512K where
 nothing fits); the table gives each tree's median over the rounds, the change, and whether
 the two trees' best plans run equally fast. Wall time, not this process's CPU time: a search
-may score its baselines in a forked process beside the study (`search.beside`), whose CPU
-time the parent's would leave out, and the parent's time blocked waiting for it too.
+may send work to a helper process (`search.helper`; before it, a child forked for the
+baselines, `search.beside`), whose CPU time the parent's would leave out, and the parent's
+time blocked waiting for it too.
 
 Run: `.venv/bin/python benchmarks/planner_ab.py --baseline REV [--rounds 3] [--repeats 5]
 [CELL ...]` with cells as GPUSxTYPES (default: every cell of planner_scaling up to 128 GPUs).

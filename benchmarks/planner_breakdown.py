@@ -12,10 +12,10 @@ Stages (inclusive: a full evaluation includes its simulations and programs):
 
 The clusters are `planner_scaling.py`'s (nodes of 8, types round-robin, Llama-3-8B at 1M
 tokens). Each is searched once to warm up, then once under the wrappers (the wrappers add
-about a microsecond a call) with every stage in this process: on 64 devices and more the
-default search scores its baselines in a forked process beside the study (`search.beside`),
-where the wrappers would not see them. The last column is one more search of the cell as it
-runs by default (unwrapped, baselines beside the study where they are).
+about a microsecond a call) with every stage in this process (`HEXISEQ_SEARCH_HELPER=off`):
+by default the search sends its baselines and half of its batches to its helper process
+(`search.helper`), where the wrappers would not see them. The last column is one more search
+of the cell as it runs by default (unwrapped, with its helper).
 
 Run: `.venv/bin/python benchmarks/planner_breakdown.py [--cells 16x4 ...] [--no-write]`
 (prints the table and updates the "Planner time breakdown" section of RESULTS.md).
@@ -24,6 +24,7 @@ Run: `.venv/bin/python benchmarks/planner_breakdown.py [--cells 16x4 ...] [--no-
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import shlex
 import sys
@@ -37,7 +38,7 @@ from planner_scaling import MODEL, build_cluster
 
 import hexiseq.search._evaluate as evaluate_module
 import hexiseq.search.api as api_module
-import hexiseq.search.beside as beside_module
+import hexiseq.search.helper as helper
 import hexiseq.search.local_milp as local_milp_module
 import hexiseq.search.objective as objective_module
 import hexiseq.search.optuna_layer as optuna_layer_module
@@ -90,10 +91,10 @@ def breakdown(cell: str) -> tuple[float, Tally, float]:
     plan_search(cluster, MODEL, SEQ_LEN)  # warm-up
     tally = Tally()
     originals = [(module, name, getattr(module, name)) for _, module, name in STAGES]
-    originals.append((beside_module, "BESIDE_MIN_DEVICES", beside_module.BESIDE_MIN_DEVICES))
     for (label, module, name), (_, _, function) in zip(STAGES, originals):
         setattr(module, name, tally.wrap(label, function))
-    beside_module.BESIDE_MIN_DEVICES = 10**9  # the baselines in this process too
+    setting = os.environ.get(helper.HELPER_VARIABLE)
+    os.environ[helper.HELPER_VARIABLE] = "off"  # every stage in this process
     try:
         started = time.perf_counter()
         plan_search(cluster, MODEL, SEQ_LEN)
@@ -101,6 +102,10 @@ def breakdown(cell: str) -> tuple[float, Tally, float]:
     finally:
         for module, name, function in originals:
             setattr(module, name, function)
+        if setting is None:
+            del os.environ[helper.HELPER_VARIABLE]
+        else:
+            os.environ[helper.HELPER_VARIABLE] = setting
     started = time.perf_counter()
     plan_search(cluster, MODEL, SEQ_LEN)
     return total_s, tally, time.perf_counter() - started
@@ -132,7 +137,7 @@ def section(body: str) -> str:
             "Stages nest: full evaluations hold their simulations and HiGHS programs, the "
             "polish holds its full evaluations, the screen its probes' simulations. Every "
             "stage runs in this process; the last column is the same search as it runs by "
-            "default (on 64+ devices the baselines in a forked process beside the study). "
+            "default (the baselines and half of the batches in its helper process). "
             f"{platform.machine()}, Python {platform.python_version()}, 2 CPU cores; {when}.",
             "",
             body,

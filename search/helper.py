@@ -34,6 +34,7 @@ way); nothing from a file or from another program is unpickled.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import multiprocessing
 import os
@@ -306,6 +307,10 @@ def _serve(connection) -> None:
     (value,))`, or `(ticket, None)` where the work raised (this process then does it, and
     raises what it raises) or its value cannot be sent."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    # The parent forks in a search, whose collector is paused (`search.api`): collect here,
+    # but not what was inherited (that would copy every page of it).
+    gc.freeze()
+    gc.enable()
     problem, search_id = None, None
     while True:
         try:
@@ -313,6 +318,8 @@ def _serve(connection) -> None:
         except (EOFError, OSError):
             return
         if message[0] == "problem":
+            if problem is not None:
+                problem.cache.clear()  # its local models refer back to it (`search.api`)
             _, search_id, problem = message
             continue
         _, ticket, wanted, rates, work, args = message
