@@ -21,8 +21,10 @@ tries run 6-7x slower than the best, and each costs a simulation of up to 1024 r
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
+from hexiseq.search import helper
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import (
     GlobalChoices,
@@ -37,6 +39,7 @@ from hexiseq.search.screen import (
     estimate_s,
     fastest_estimated,
     tie_key,
+    with_checkpointing,
 )
 
 SCREEN_KEEP = 1
@@ -63,6 +66,7 @@ def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
     quantum = quanta[len(quanta) // 2]
     picks = [_without_recompute(problem, c, quanta) for c in _greedy_seeds(problem, quantum)]
     chosen = {c.key(): c for c in picks}
+    descents = []
     for checkpointing in problem.checkpointing_options:
         starts = [replace(c, activation_checkpointing=checkpointing) for c in picks]
         if not checkpointing:
@@ -70,7 +74,9 @@ def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
         else:
             starts = [c for c in starts if not _fits_without_recompute(problem, c)]
         if starts:
-            chosen.update((c.key(), c) for c in _descended(problem, starts))
+            descents.append(starts)
+    for found in _descents(problem, descents):
+        chosen.update((c.key(), c) for c in found)
     default, *others = chosen.values()
     finite = [c for c in others if math.isfinite(estimate_s(problem, c))]
     infinite = [c for c in others if not math.isfinite(estimate_s(problem, c))]
@@ -86,15 +92,71 @@ def hopeless(problem: Problem, choices: GlobalChoices, best_step_s: float) -> bo
 def _descended(problem: Problem, starts: list[GlobalChoices]) -> list[GlobalChoices]:
     """The best-screened candidates of a descent over HP degrees from the best start."""
     scored = {c.key(): c for c in starts}
-    best = min(starts, key=lambda c: tie_key(estimate_s(problem, c)))
-    if not math.isfinite(estimate_s(problem, best)):
+    if not _moves(problem, starts):
         return []
+    best = min(starts, key=lambda c: tie_key(estimate_s(problem, c)))
     for _ in range(SCREEN_SWEEPS):
         moved = _descend(problem, best, scored)
         if moved.key() == best.key():
             break
         best = moved
     return fastest_estimated(problem, list(scored.values()), SCREEN_KEEP)
+
+
+def _moves(problem: Problem, starts: list[GlobalChoices]) -> bool:
+    """Whether a descent from `starts` goes anywhere: some start fits (a finite estimate)."""
+    return any(math.isfinite(estimate_s(problem, c)) for c in starts)
+
+
+def _descents(problem: Problem, descents: list[list[GlobalChoices]]) -> list[list]:
+    """`_descended` of each of `descents` (at most one per checkpointing setting): the last
+    one in the search's helper (`search.helper`) where it has one, while this process runs
+    the others. A descent keeps to its own step (`problem.train` with its checkpointing): its
+    busy rates, probes and estimates are that step's, so the two never see each other's, and
+    the helper's are taken in here as if found here."""
+    moving = [starts for starts in descents if _moves(problem, starts)]
+    ticket = None
+    if len(moving) > 1:  # a descent that ends at once is not worth waiting for
+        ticket = helper.start(problem, _descended_beside, descents[-1])
+    if ticket is None:
+        return [_descended(problem, starts) for starts in descents]
+    started_s = time.perf_counter()
+    found = [_descended(problem, starts) for starts in descents[:-1]]
+    wait_s = max(DESCENT_MIN_WAIT_S, DESCENT_WAIT_FACTOR * (time.perf_counter() - started_s))
+    answer = helper.result(problem, ticket, wait_s)
+    if answer is None:
+        return [*found, _descended(problem, descents[-1])]
+    last, memos = answer[0]
+    for key, value in memos.items():
+        if key[0] == "rates":
+            problem.cache.setdefault(key, {}).update(value)
+        else:
+            problem.cache.setdefault(key, value)
+    return [*found, last]
+
+
+DESCENT_MEMOS = ("estimate", "bound", "probe", "rates")
+"""The `Problem.cache` entries of a descent in the helper that come back with its answer:
+those the order of scoring changes (busy rates, and the probes that found them) and those
+the short list reads again (estimates and bounds); the rest are recomputed here if asked."""
+DESCENT_WAIT_FACTOR = 4.0
+DESCENT_MIN_WAIT_S = 2.0
+"""How long this process waits for the helper's descent once its own are done: this factor x
+their seconds, at least DESCENT_MIN_WAIT_S; then it runs that descent itself."""
+
+
+def _descended_beside(problem: Problem, starts: list[GlobalChoices]) -> tuple[list, dict]:
+    """In the helper: `_descended(problem, starts)` and the memos it made (DESCENT_MEMOS)."""
+    before = set(problem.cache)
+    found = _descended(problem, starts)
+    train = with_checkpointing(problem, starts[0].activation_checkpointing).train
+    memos = {
+        key: value
+        for key, value in problem.cache.items()
+        if isinstance(key, tuple) and key[0] in DESCENT_MEMOS and key not in before
+    }
+    memos[("rates", train)] = problem.cache.get(("rates", train), {})
+    return found, memos
 
 
 def _fits_without_recompute(problem: Problem, choices: GlobalChoices) -> bool:

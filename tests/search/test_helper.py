@@ -267,3 +267,50 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
     assert degrees == [
         {f"hp_degree[{gpu}]": d for gpu, d in c.hp_degrees.items()} for c in (first, last)
     ]
+
+
+def planner_scaling_cluster(gpus: int, types: list[str]) -> Cluster:
+    """`gpus` GPUs in nodes of 8, the types round-robin by node (planner_scaling's cells)."""
+    nodes = [
+        {"name": f"node{i}", "gpu": types[i % len(types)], "count": 8} for i in range(gpus // 8)
+    ]
+    return Cluster.from_dict({"name": "cell", "nodes": nodes, "network": {"inter_node_GBps": 50}})
+
+
+def test_the_checkpointed_descent_in_the_helper_lists_what_this_process_would(monkeypatch):
+    """64 GPUs of 8 types: both descents of the short list move (with and without activation
+    checkpointing); the helper runs the checkpointed one, and the short list, its estimates
+    and its busy rates come out as found here."""
+    from hexiseq.search import shortlist as shortlist_module
+    from hexiseq.search.objective import quantum_choices
+    from hexiseq.search.screen import estimate_s
+
+    types = ["H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G"]
+    cluster = planner_scaling_cluster(64, types)
+    model, train = ModelSpec.preset("llama3-8b"), TrainSpec(seq_len=2**20)
+    problems = [Problem(cluster, model, train, DatasheetCostModel()) for _ in range(2)]
+    started = []
+    start = helper.start
+
+    def recording(problem, work, *args):
+        ticket = start(problem, work, *args)
+        started.append((work.__name__, ticket is not None))
+        return ticket
+
+    monkeypatch.setattr(shortlist_module.helper, "start", recording)
+    quanta = quantum_choices(problems[0])
+    with helper.helping(problems[0], True):
+        beside_list = shortlist_module.shortlist(problems[0], quanta)
+    monkeypatch.setenv(helper.HELPER_VARIABLE, "off")
+    here_list = shortlist_module.shortlist(problems[1], quanta)
+    assert started == [("_descended_beside", True), ("_descended_beside", False)]
+    assert [c.key() for c in beside_list] == [c.key() for c in here_list]
+    assert [estimate_s(problems[0], c) for c in beside_list] == [
+        estimate_s(problems[1], c) for c in here_list
+    ]
+    rates = [
+        {k: {g: (r.per_token_s.tolist(), r.fixed_s.tolist()) for g, r in v.items()}
+         for k, v in p.cache.items() if helper._rates(k)}
+        for p in problems
+    ]  # fmt: skip
+    assert rates[0] == rates[1] and len(rates[0]) == 2  # both steps' tables
