@@ -154,19 +154,6 @@ def build_plan(
     knobs: dict[str, Any],
     prediction: StepPrediction,
 ) -> Plan:
-    return plan_from(problem, layout, fractions, name, knobs, plan_prediction(prediction))
-
-
-def plan_from(
-    problem: Problem,
-    layout: AttentionLayout,
-    fractions: Sequence[float],
-    name: str,
-    knobs: dict[str, Any],
-    predicted: Prediction,
-) -> Plan:
-    """The plan of `layout` and state `fractions` on `problem`'s cluster, predicted as
-    `predicted`."""
     devices = problem.cluster.devices
     tokens = layout.token_counts
     assignments = tuple(
@@ -189,7 +176,7 @@ def plan_from(
         layout,
         assignments,
         dict(knobs),
-        predicted,
+        plan_prediction(prediction),
     )
 
 

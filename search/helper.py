@@ -16,8 +16,9 @@ here each page is copied once, in the first search.
 Per search the helper gets the problem (without its cache) once, and with each batch the
 busy-rate tables this process has found (`screen.group_rates`): those depend on the order
 candidates were scored in, and with them the helper finds the very plans this process would.
-It sends each plan's parts back (layout, state shares, knobs, prediction: not the cluster and
-model, which this process has), and the plan is made here around this process's own objects.
+Its answers come back pickled with the problem's cluster, model and cost model by name
+(SHARED): the plans refer to this process's own objects, and a large cluster does not travel
+with every plan.
 A batch goes to the helper only while it has nothing else to do (the baselines may take longer
 than the study's first batches on large clusters): otherwise this process evaluates it all.
 
@@ -28,16 +29,18 @@ search's work in its own process (the test suite does, so that a test's patches 
 Where the helper cannot answer (what it ran raised, it died, or it is still not done
 `wait_s` after this process asked), this process does the work itself: the same results,
 later. A helper that failed to answer is stopped; the next search forks another. Answers come
-back through a pipe from the helper this process forked (multiprocessing pickles them on the
-way); nothing from a file or from another program is unpickled.
+back through a pipe from the helper this process forked; nothing from a file or from another
+program is unpickled.
 """
 
 from __future__ import annotations
 
 import gc
+import io
 import itertools
 import multiprocessing
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -50,7 +53,7 @@ from typing import Any
 
 from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
-from hexiseq.search._evaluate import Problem, plan_from
+from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
 
@@ -67,6 +70,14 @@ BATCH_MIN_WAIT_S = 2.0
 BATCH_WAIT_FACTOR x its own half's seconds (the halves are about as long), at least
 BATCH_MIN_WAIT_S."""
 
+HELPER_MIN_SHARE_S = 0.004
+"""Plans go to the helper only where they would take it at least this long (at the mean time
+of the search's plans so far, `objective.Objective`): handing them over costs about 1-3 ms
+(the rates and the plans pickled, the helper's own first simulations of the search), and on
+32 GPUs of one type (plans of 2-3 ms) handing over every batch made searches 16 % slower.
+Before the search has built a plan, nothing goes (the first short-list pair stays here)."""
+SHARED = ("cluster", "model", "cost")
+"""The problem's parts an answer refers to by name (`_Pickler`): this process has them."""
 HELPER_VARIABLE = "HEXISEQ_SEARCH_HELPER"
 HELPER_SETTINGS = {"on": True, "1": True, "yes": True, "off": False, "0": False, "no": False}
 
@@ -102,7 +113,7 @@ def result(problem: Problem, ticket: int | None, wait_s: float) -> tuple[Any] | 
     helper = _helper_of(problem)
     if ticket is None or helper is None:
         return None
-    answer = helper.take(ticket, wait_s)
+    answer = helper.take(problem, ticket, wait_s)
     if answer is None:
         _stop()
     return answer
@@ -135,7 +146,7 @@ def evaluate_batch(
     answer = result(problem, ticket, wait_s)
     if answer is None:
         return plans + [evaluate(choices) for choices in theirs]
-    return plans + [_plan(problem, parts) for parts in answer[0]]
+    return plans + answer[0]
 
 
 def safe_to_fork() -> bool:
@@ -201,12 +212,13 @@ class _Helper:
         self._read(wait_s=0.0)
         return not self.waiting
 
-    def take(self, ticket: int, wait_s: float) -> tuple[Any] | None:
+    def take(self, problem: Problem, ticket: int, wait_s: float) -> tuple[Any] | None:
         deadline = time.perf_counter() + wait_s
         while ticket in self.waiting:
             if not self._read(max(0.0, deadline - time.perf_counter())):
                 return None
-        return self.answers.pop(ticket, None)
+        answer = self.answers.pop(ticket, None)
+        return None if answer is None else _loads(answer, problem)
 
     def _read(self, wait_s: float) -> bool:
         """Read one answer, or every one already in (`wait_s` 0); False where none came."""
@@ -283,23 +295,42 @@ def _rates(key) -> bool:
     return isinstance(key, tuple) and len(key) == 2 and key[0] == "rates"
 
 
-def _evaluated(problem: Problem, batch: list[GlobalChoices]) -> list:
-    """In the helper: each plan of `batch` as the parts `_plan` makes it from again."""
-    return [_parts(plan_for_choices(problem, choices)) for choices in batch]
+def _evaluated(problem: Problem, batch: list[GlobalChoices]) -> list[Scored]:
+    """In the helper: the plans of `batch`."""
+    return [plan_for_choices(problem, choices) for choices in batch]
 
 
-def _parts(plan: Scored):
-    if isinstance(plan, InfeasiblePlan):
-        return plan
-    fractions = [assignment.state_fraction for assignment in plan.assignments]
-    return plan.train, plan.layout(), fractions, plan.name, plan.knobs, plan.predicted
+class _Pickler(pickle.Pickler):
+    """Pickles the problem's cluster, model and cost model by name: the other process has
+    them (`_dumps`, `_loads`)."""
+
+    def __init__(self, file, problem: Problem) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.shared = {id(getattr(problem, name)): name for name in SHARED}
+
+    def persistent_id(self, obj):
+        return self.shared.get(id(obj))
 
 
-def _plan(problem: Problem, parts) -> Scored:
-    if isinstance(parts, InfeasiblePlan):
-        return parts
-    train, layout, fractions, name, knobs, predicted = parts
-    return plan_from(replace(problem, train=train), layout, fractions, name, knobs, predicted)
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, problem: Problem) -> None:
+        super().__init__(file)
+        self.problem = problem
+
+    def persistent_load(self, name: str):
+        if name not in SHARED:
+            raise pickle.UnpicklingError(f"no shared object {name!r}")
+        return getattr(self.problem, name)
+
+
+def _dumps(value, problem: Problem) -> bytes:
+    buffer = io.BytesIO()
+    _Pickler(buffer, problem).dump(value)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes, problem: Problem):
+    return _Unpickler(io.BytesIO(data), problem).load()
 
 
 def _serve(connection) -> None:
@@ -328,12 +359,12 @@ def _serve(connection) -> None:
                 raise LookupError("work of another search")
             for key, table in rates.items():
                 problem.cache.setdefault(key, {}).update(table)
-            answer = (work(problem, *args),)
+            answer = _dumps((work(problem, *args),), problem)
         except Exception:
             answer = None
         try:
             connection.send((ticket, answer))
         except (OSError, ValueError):
             return
-        except Exception:  # a value that cannot be pickled: done there instead
+        except Exception:  # cannot be sent: done there instead
             connection.send((ticket, None))

@@ -4,6 +4,7 @@ searched over this search's space and step."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import optuna
@@ -12,7 +13,7 @@ from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import RING_ORDERS, GlobalChoices, candidate_hp_degrees, chunk_quantum
-from hexiseq.search.helper import evaluate_batch, has_helper
+from hexiseq.search.helper import HELPER_MIN_SHARE_S, evaluate_batch, has_helper
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.options import SearchOptions
 
@@ -58,6 +59,7 @@ class Objective:
         self.beside = beside
         self.cache: dict[tuple, Plan | InfeasiblePlan] = {}
         self.quanta = quantum_choices(problem)
+        self.built, self.built_s = 0, 0.0  # plans built here, and their seconds
 
     def __call__(self, trial: optuna.Trial):
         choices = self.sample(trial)
@@ -84,14 +86,17 @@ class Objective:
     def plan(self, choices: GlobalChoices) -> Plan | InfeasiblePlan:
         key = choices.key()
         if key not in self.cache:
+            started_s = time.perf_counter()
             self.cache[key] = plan_for_choices(self.problem, choices)
+            self.built_s += time.perf_counter() - started_s
+            self.built += 1
         return self.cache[key]
 
     def plans(self, batch: list[GlobalChoices]) -> list[Plan | InfeasiblePlan]:
         """`plan` of each of `batch`, in order; those not built yet are built together (the
         later half in the helper process, with `beside`) and remembered in batch order."""
-        if self.beside:
-            fresh = list({c.key(): c for c in batch if c.key() not in self.cache}.values())
+        fresh = list({c.key(): c for c in batch if c.key() not in self.cache}.values())
+        if self._worth_sending(len(fresh) // 2):
             for choices, plan in zip(fresh, evaluate_batch(self.problem, fresh, self.plan)):
                 self.cache.setdefault(choices.key(), plan)
         return [self.plan(choices) for choices in batch]
@@ -103,12 +108,19 @@ class Objective:
         plan of `following()` there meanwhile. Returns that candidate and its plan *without*
         remembering it (or Nones): the caller keeps it with `remember` only where it would
         have built it anyway."""
-        ahead = following() if self.beside and has_helper(self.problem) else None
+        ahead = following() if self._worth_sending(1) and has_helper(self.problem) else None
         if ahead is None or ahead.key() in self.cache or choices.key() in self.cache:
             self.plan(choices)
             return None, None
         _, guessed = evaluate_batch(self.problem, [choices, ahead], self.plan)
         return ahead, guessed
+
+    def _worth_sending(self, count: int) -> bool:
+        """Whether `count` plans are worth building in the helper: with `beside`, where this
+        search's plans so far took HELPER_MIN_SHARE_S for that many (none built yet: no)."""
+        if not self.beside or count < 1:
+            return False
+        return bool(self.built) and count * self.built_s / self.built >= HELPER_MIN_SHARE_S
 
     def remember(self, choices: GlobalChoices, plan: Plan | InfeasiblePlan) -> None:
         self.cache.setdefault(choices.key(), plan)

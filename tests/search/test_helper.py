@@ -18,6 +18,7 @@ from hexiseq.search import beside, helper, plan_search
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
+from hexiseq.search.objective import Objective
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the helper is forked on Linux only"
@@ -223,8 +224,8 @@ def test_plan_search_reports_the_same_with_and_without_its_helper(monkeypatch, p
     answered = []
     take = helper._Helper.take
 
-    def counting(self, ticket, wait_s):
-        answer = take(self, ticket, wait_s)
+    def counting(self, problem, ticket, wait_s):
+        answer = take(self, problem, ticket, wait_s)
         answered.append(answer is not None)
         return answer
 
@@ -251,17 +252,19 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
     call = helper._Helper.call
 
     def recording(self, problem, work, args):
-        sent.extend(args[0] if args else [])
+        sent.append(args[0] if args else None)
         return call(self, problem, work, args)
 
     def hopeless(problem, choices, best_step_s):
         return choices.key() == doomed.key() and best_step_s < float("inf")
 
     monkeypatch.setattr(helper._Helper, "call", recording)
+    # however fast this search's plans are, the next candidate is built ahead
+    monkeypatch.setattr(Objective, "_worth_sending", lambda self, count: count > 0)
     monkeypatch.setattr(optuna_layer, "shortlist", lambda problem, quanta: [first, doomed, last])
     monkeypatch.setattr(optuna_layer, "hopeless", hopeless)
     result = plan_search("h100x8-a100x8", "llama3-8b", "1M")
-    assert doomed in sent  # built ahead in the helper
+    assert [doomed] in sent  # built ahead in the helper, alone
     scored = [t.params for t in result.trials if t.params][:2]
     degrees = [{k: v for k, v in p.items() if k.startswith("hp_degree")} for p in scored]
     assert degrees == [
