@@ -15,6 +15,7 @@ from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.errors import InputError
 from hexiseq.plan import Plan
 from hexiseq.search import beside, helper, plan_search
+from hexiseq.search import objective as objective_module
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
@@ -259,8 +260,17 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
         return choices.key() == doomed.key() and best_step_s < float("inf")
 
     monkeypatch.setattr(helper._Helper, "call", recording)
+
+    def idle_helper(problem) -> bool:
+        """The helper, once done with the baselines (they go first)."""
+        deadline = time.perf_counter() + 30
+        while not helper.has_helper(problem) and time.perf_counter() < deadline:
+            time.sleep(0.005)
+        return helper.has_helper(problem)
+
     # however fast this search's plans are, the next candidate is built ahead
     monkeypatch.setattr(Objective, "_worth_sending", lambda self, count: count > 0)
+    monkeypatch.setattr(objective_module, "has_helper", idle_helper)
     monkeypatch.setattr(optuna_layer, "shortlist", lambda problem, quanta: [first, doomed, last])
     monkeypatch.setattr(optuna_layer, "hopeless", hopeless)
     result = plan_search("h100x8-a100x8", "llama3-8b", "1M")
