@@ -15,7 +15,6 @@ from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.errors import InputError
 from hexiseq.plan import Plan
 from hexiseq.search import beside, helper, plan_search
-from hexiseq.search import objective as objective_module
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
@@ -245,7 +244,10 @@ def test_plan_search_reports_the_same_with_and_without_its_helper(monkeypatch, p
 
 def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(monkeypatch):
     """The helper builds the next short-list candidate while this process scores one; where
-    the first one's step makes it hopeless, it is dropped as if never built."""
+    the first one's step makes it hopeless, it is dropped as if never built (not a trial,
+    and not remembered: the polish would take it for scored)."""
+    import optuna
+
     from hexiseq.search import optuna_layer
 
     first, doomed, last = (replace(c, chunk_quantum=256) for c in BATCH[:3])
@@ -260,26 +262,19 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
         return choices.key() == doomed.key() and best_step_s < float("inf")
 
     monkeypatch.setattr(helper._Helper, "call", recording)
-
-    def idle_helper(problem) -> bool:
-        """The helper, once done with the baselines (they go first)."""
-        deadline = time.perf_counter() + 30
-        while not helper.has_helper(problem) and time.perf_counter() < deadline:
-            time.sleep(0.005)
-        return helper.has_helper(problem)
-
     # however fast this search's plans are, the next candidate is built ahead
     monkeypatch.setattr(Objective, "_worth_sending", lambda self, count: count > 0)
-    monkeypatch.setattr(objective_module, "has_helper", idle_helper)
     monkeypatch.setattr(optuna_layer, "shortlist", lambda problem, quanta: [first, doomed, last])
     monkeypatch.setattr(optuna_layer, "hopeless", hopeless)
-    result = plan_search("h100x8-a100x8", "llama3-8b", "1M")
-    assert [doomed] in sent  # built ahead in the helper, alone
-    scored = [t.params for t in result.trials if t.params][:2]
-    degrees = [{k: v for k, v in p.items() if k.startswith("hp_degree")} for p in scored]
-    assert degrees == [
-        {f"hp_degree[{gpu}]": d for gpu, d in c.hp_degrees.items()} for c in (first, last)
-    ]
+    problem = problem_on("h100x8-a100x8")
+    objective = Objective(problem, multi_objective=False, beside=True)
+    study = optuna.create_study(direction="maximize")
+    with helper.helping(problem, True):
+        added = optuna_layer._score_shortlist(study, objective, None)
+    assert sent == [[doomed]]  # built ahead in the helper, alone
+    assert added == 2 and set(objective.cache) == {first.key(), last.key()}
+    scored = [optuna_layer.choices_from_params(problem, t.params) for t in study.trials]
+    assert [c.key() for c in scored] == [first.key(), last.key()]
 
 
 def planner_scaling_cluster(gpus: int, types: list[str]) -> Cluster:
