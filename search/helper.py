@@ -1,8 +1,11 @@
 """A helper process that works beside the default search: forked once, kept for later searches.
 
 The default search has work that does not depend on what it is doing meanwhile: the baselines
-(`search.beside`), and batches of candidates whose plans do not depend on each other (the
-polish's neighbours, `search.polish`; two at a time, the short list, `search.optuna_layer`).
+(`search.beside`), batches of candidates whose plans do not depend on each other (the polish's
+neighbours, `search.polish`; two at a time, the short list, `search.optuna_layer`), and where
+both move, the short list's descent with activation checkpointing beside the one without
+(`search.shortlist`).
+
 Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
 search forks one helper process, and the process keeps it for its later searches. A search
 holds it from start to end (`helping`): it sends the baselines first, and later the second
@@ -18,9 +21,9 @@ busy-rate tables this process has found (`screen.group_rates`): those depend on 
 candidates were scored in, and with them the helper finds the very plans this process would.
 Its answers come back pickled with the problem's cluster, model and cost model by name
 (SHARED): the plans refer to this process's own objects, and a large cluster does not travel
-with every plan.
-A batch goes to the helper only while it has nothing else to do (the baselines may take longer
-than the study's first batches on large clusters): otherwise this process evaluates it all.
+with every plan. A batch goes to the helper only while it has nothing else to do (the
+baselines may take longer than the study's first batches on large clusters), and only where
+it is worth handing over (HELPER_MIN_SHARE_S): otherwise this process evaluates it all.
 
 The helper runs the code and module state of the moment it was forked (each search's inputs
 travel to it with the search). `HEXISEQ_SEARCH_HELPER=off` in the environment keeps every
@@ -160,11 +163,11 @@ def safe_to_fork() -> bool:
 
 def _wanted() -> bool:
     """Whether the environment lets searches have a helper (HELPER_VARIABLE; unset: yes)."""
-    setting = os.environ.get(HELPER_VARIABLE, "on").strip().lower()
-    if setting not in HELPER_SETTINGS:
+    setting = os.environ.get(HELPER_VARIABLE, "on")
+    if setting.strip().lower() not in HELPER_SETTINGS:
         allowed = ", ".join(HELPER_SETTINGS)
         raise InputError(f"{HELPER_VARIABLE}={setting!r} is not one of {allowed}")
-    return HELPER_SETTINGS[setting]
+    return HELPER_SETTINGS[setting.strip().lower()]
 
 
 def _only_thread() -> bool:
