@@ -96,6 +96,8 @@ def helping(problem: Problem, allowed: bool) -> Iterator[None]:
         yield
         return
     try:
+        if _HELPER is not None and (_HELPER.waiting or _HELPER.answers):
+            _stop()  # still on the work of a search that did not end (interrupted)
         _HOLDER = _search_id(problem)
         yield
     finally:

@@ -144,6 +144,18 @@ def test_a_helper_too_slow_is_stopped_and_the_scoring_done_here(monkeypatch):
     assert not process.is_alive() and helper._HELPER is None
 
 
+def test_a_search_that_did_not_end_leaves_the_next_one_a_fresh_helper():
+    problem = problem_on("mix2-128")
+    with pytest.raises(KeyboardInterrupt), helper.helping(problem, True):
+        beside.score_beside(problem, hangs_in_helper)
+        stuck = helper._HELPER.process
+        raise KeyboardInterrupt  # before the search took the baselines
+    started = time.perf_counter()
+    fresh = baselines_pid(problem_on("mix2-128"))
+    assert time.perf_counter() - started < 10  # not behind the stuck work
+    assert fresh not in (stuck.pid, TEST_PID) and not stuck.is_alive()
+
+
 def test_a_process_forked_with_its_parents_helper_forks_its_own():
     first = baselines_pid(problem_on("mix2-128"))
     parents = helper._HELPER
