@@ -218,12 +218,17 @@ class _Helper:
         return not self.waiting
 
     def take(self, problem: Problem, ticket: int, wait_s: float) -> tuple[Any] | None:
+        """`(value,)` of `ticket`'s work, waiting at most `wait_s`; None where there is none
+        (the work raised, its answer cannot be read, the helper died or was too slow)."""
         deadline = time.perf_counter() + wait_s
         while ticket in self.waiting:
             if not self._read(max(0.0, deadline - time.perf_counter())):
                 return None
         answer = self.answers.pop(ticket, None)
-        return None if answer is None else _loads(answer, problem)
+        try:
+            return None if answer is None else _loads(answer, problem)
+        except Exception:  # an answer that cannot be read is no answer: done here
+            return None
 
     def _read(self, wait_s: float) -> bool:
         """Read one answer, or every one already in (`wait_s` 0); False where none came."""
@@ -340,8 +345,9 @@ def _loads(data: bytes, problem: Problem):
 
 def _serve(connection) -> None:
     """In the helper: do what is sent until the pipe closes. Each answer is `(ticket,
-    (value,))`, or `(ticket, None)` where the work raised (this process then does it, and
-    raises what it raises) or its value cannot be sent."""
+    bytes)`, the bytes `(value,)` pickled by `_dumps`, or `(ticket, None)` where the work
+    raised (this process then does it, and raises what it raises) or its value cannot be
+    pickled."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     # The parent forks in a search, whose collector is paused (`search.api`): collect here,
     # but not what was inherited (that would copy every page of it).

@@ -334,3 +334,12 @@ def test_the_checkpointed_descent_in_the_helper_lists_what_this_process_would(mo
         for p in problems
     ]  # fmt: skip
     assert rates[0] == rates[1] and len(rates[0]) == 2  # both steps' tables
+
+
+def test_an_answer_that_cannot_be_read_here_is_scored_here(monkeypatch):
+    def unreadable(data, problem):
+        raise EOFError("truncated")
+
+    monkeypatch.setattr(helper, "_loads", unreadable)
+    assert baselines_pid(problem_on("mix2-128")) == TEST_PID
+    assert helper._HELPER is None  # stopped: the next search forks another
