@@ -8,7 +8,7 @@ on the same problem, so it finds exactly what this process would. Where it canno
 helper, it failed, it died, it is still not done `BESIDE_WAIT_FACTOR` x the study's time after
 the study), this process scores them itself: the same results, later.
 
-On 2 cores the baselines are 2-28 % of a default search (`benchmarks/planner_breakdown.py`);
+On 2 cores the baselines are 2-29 % of a default search (`benchmarks/planner_breakdown.py`);
 a child forked for them per search paid only from 64 GPUs. The helper is forked once
 (`search.helper`), so they go beside the study at every size.
 """

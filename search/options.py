@@ -95,7 +95,7 @@ class SearchOptions(BaseModel):
 
     @property
     def beside(self) -> bool:
-        """Whether the search may fork processes to score beside it (`search.beside`): the
+        """Whether the search may hand work to its helper process (`search.helper`): the
         default search, which neither samples nor keeps a stored study."""
         return self.storage is None and not self.searching
 
