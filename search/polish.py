@@ -77,8 +77,12 @@ def polish(
         while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
             current_plan = plan_of(current)
             fresh = neighbours(problem, current, quanta, current_plan)
-            first, later = _worth_evaluating(problem, current, current_plan, fresh, is_scored)
-            batch = first[:evaluations]
+            rings, faster, later = _worth_evaluating(
+                problem, current, current_plan, fresh, is_scored
+            )
+            batch = rings[:evaluations]
+            if len(batch) < evaluations:  # the screen is asked only where there is room
+                batch += faster()[: evaluations - len(batch)]
             evaluations -= len(batch)
             plans = plans_of(batch)
             second = later(plan_of)[:evaluations]
@@ -124,10 +128,11 @@ def _worth_evaluating(
     current_plan: Plan | InfeasiblePlan,
     found: list[GlobalChoices],
     is_scored: Callable[[GlobalChoices], bool],
-) -> tuple[list[GlobalChoices], Callable[[Callable], list[GlobalChoices]]]:
+) -> tuple[list[GlobalChoices], Callable[[], list], Callable[[Callable], list]]:
     """The neighbours `found` worth evaluating, in two stages. First the ring layouts, which
     the screen cannot tell apart (they leave the loads the search settled on): the current
-    ring at the other quanta, and every other ring at the current quantum; then the
+    ring at the other quanta, and every other ring at the current quantum; then (a function:
+    the screen's estimates are not asked for where the rings use up the evaluations) the
     regrouped neighbours estimated faster than the current plan runs (best POLISH_SCREENED).
     Second (given `plan_of`, once the first are scored): the other quanta of the
     POLISH_RING_FINALISTS rings fastest at the current quantum. Neighbours already scored
@@ -144,7 +149,10 @@ def _worth_evaluating(
         c for c in found if _grouping_key(c) != _grouping_key(current) and not is_scored(c)
     ]
     current_s = step_s(current_plan)
-    faster = fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)
+
+    def faster() -> list[GlobalChoices]:
+        return fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)
+
     first = [c for (ring, _), c in rings.items() if ring == here and not is_scored(c)]
     first += [c for (r, q), c in rings.items() if r != here and q == quantum and not is_scored(c)]
 
@@ -157,7 +165,7 @@ def _worth_evaluating(
         finalists = {ring for _, ring in at_quantum[:POLISH_RING_FINALISTS]}
         return [c for (r, q), c in rings.items() if r in finalists and not is_scored(c)]
 
-    return first + faster, second
+    return first, faster, second
 
 
 def step_s(plan: Plan | InfeasiblePlan) -> float:

@@ -265,6 +265,51 @@ def test_polish_budget_shrinks_with_the_cluster_and_stops_at_512_gpus():
     assert budgets[0] > 0 and budgets[3] > 0 and budgets[-2:] == [0, 0]
 
 
+def test_polish_asks_the_screen_only_where_the_rings_leave_evaluations(monkeypatch):
+    """The regrouped neighbours' estimates cost probes and programs: where the rings at hand
+    use up the polish's evaluations (3 on 128 GPUs), they are not asked for."""
+    from hexiseq.search import polish as polish_module
+    from hexiseq.search.objective import quantum_choices
+
+    h100, a100 = "H100-SXM", "A100-80G"
+    nodes = [("h0", h100, 2), ("a0", a100, 2), ("h1", h100, 2), ("a1", a100, 2)]
+    problem = problem_for(cluster_of("two-by-two", nodes, 50), "tiny", 1 << 16)
+    quanta = quantum_choices(problem)
+    start = GlobalChoices({h100: 1, a100: 2}, "file", quanta[1], False)
+    screened = []
+    estimated = polish_module.fastest_estimated
+
+    def counting(*args, **kwargs):
+        screened.append(args[1])
+        return estimated(*args, **kwargs)
+
+    monkeypatch.setattr(polish_module, "fastest_estimated", counting)
+    plans: dict = {}
+
+    def plan_of(choices: GlobalChoices):
+        return plans.setdefault(choices.key(), plan_for_choices(problem, choices))
+
+    def polished(evaluations: int) -> list:
+        plans.clear()
+        starts = [(start, polish_module.throughput(plan_of(start)))]
+        return polish_module.polish(
+            problem,
+            starts,
+            plan_of,
+            lambda batch: [plan_of(c) for c in batch],
+            lambda c: c.key() in plans,
+            quanta,
+            evaluations,
+            None,
+        )
+
+    few = polished(2)
+    assert len(few) == 2 and not screened  # two rings: the screen was not asked
+    assert all(c.hp_degrees == start.hp_degrees for c, _ in few)
+    polished(40)
+    assert screened and all(screened)  # room left: the regrouped neighbours are screened
+
+
 def test_polish_tells_ring_orders_apart_only_where_a_node_differs():
     """Rings that differ by swapping nodes that look alike (same GPUs, links, groups) are one
     ring to the polish, and do score the same; a swap that changes a link the ring uses is
@@ -323,8 +368,8 @@ def test_polish_tries_every_ring_at_this_quantum_and_the_fastest_rings_at_every_
     current = GlobalChoices({h100: 1, a100: 2}, "file", quanta[1], False)
     here, quantum = _ring_key(problem, current)
     found = neighbours(problem, current, quanta, plan_of(current))
-    first, later = _worth_evaluating(problem, current, plan_of(current), found, is_scored)
-    rings = [c for c in first if c.hp_degrees == current.hp_degrees]
+    rings, _, later = _worth_evaluating(problem, current, plan_of(current), found, is_scored)
+    assert all(c.hp_degrees == current.hp_degrees for c in rings)
     keys = [_ring_key(problem, c) for c in rings]
     assert all((ring == here) != (q == quantum) for ring, q in keys)
     assert {q for ring, q in keys if ring == here} == set(quanta) - {quantum}
