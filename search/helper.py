@@ -2,9 +2,18 @@
 
 The default search has work that does not depend on what it is doing meanwhile: the baselines
 (`search.beside`), batches of candidates whose plans do not depend on each other (the polish's
-neighbours, `search.polish`; two at a time, the short list, `search.optuna_layer`), and where
+neighbours, `search.polish`; two at a time, the short list, `search.optuna_layer`), where
 both move, the short list's descent with activation checkpointing beside the one without
-(`search.shortlist`).
+(`search.shortlist`), and else, while the one descent runs here, the plans of the greedy
+picks the short list will score (`Objective.build_ahead`: their busy rates are known and
+never change, so they are the plans this process would build later).
+
+The helper works in order, one piece of work at a time. Work not started yet can be
+withdrawn (`withdraw`): the helper skips it, and an answer that comes anyway is dropped. A
+plan built ahead is taken where the helper has built it or is building it (`under_way`:
+the first asked for and not answered), except its first of the search (its slowest, its
+caches cold); the others still waiting are withdrawn then, and built here with the next
+candidate beside each, as without them.
 
 Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
 search forks one helper process, and the process keeps it for its later searches. A search
@@ -38,6 +47,8 @@ program is unpickled.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import gc
 import io
 import itertools
@@ -105,11 +116,12 @@ def helping(problem: Problem, allowed: bool) -> Iterator[None]:
         _LOCK.release()
 
 
-def start(problem: Problem, work: Callable[..., Any], *args) -> int | None:
-    """Start `work(problem, *args)` in the helper (`work` a module-level function); returns
-    a ticket for `result`, or None where the search has no helper."""
+def start(problem: Problem, work: Callable[..., Any], *args, rates: bool = True) -> int | None:
+    """Start `work(problem, *args)` in the helper (`work` a module-level function), with
+    this process's busy rates (`rates`: else the helper has them, from earlier work of the
+    search); returns a ticket for `result`, or None where the search has no helper."""
     helper = _helper_of(problem)
-    return None if helper is None else helper.call(problem, work, args)
+    return None if helper is None else helper.call(problem, work, args, rates)
 
 
 def result(problem: Problem, ticket: int | None, wait_s: float) -> tuple[Any] | None:
@@ -122,6 +134,24 @@ def result(problem: Problem, ticket: int | None, wait_s: float) -> tuple[Any] | 
     if answer is None:
         _stop()
     return answer
+
+
+def under_way(problem: Problem) -> int | None:
+    """The ticket of the work the helper is doing now (it works in order: the first asked
+    for and not answered), or None where it has nothing to do."""
+    helper = _helper_of(problem)
+    if helper is None:
+        return None
+    helper.idle()  # reads what is in
+    return min(helper.waiting, default=None)
+
+
+def withdraw(problem: Problem, ticket: int) -> None:
+    """Withdraw `ticket`'s work: the helper skips it if it has not started it, and its
+    answer, if it comes, is dropped."""
+    helper = _helper_of(problem)
+    if helper is not None:
+        helper.withdraw(ticket)
 
 
 def has_helper(problem: Problem) -> bool:
@@ -195,22 +225,36 @@ class _Helper:
     search_id: int | None = None
     waiting: set[int] = field(default_factory=set)
     answers: dict[int, Any] = field(default_factory=dict)
+    withdrawn: set[int] = field(default_factory=set)  # answers to drop when they come
 
-    def call(self, problem: Problem, work: Callable, args: tuple) -> int | None:
+    def call(
+        self, problem: Problem, work: Callable, args: tuple, with_rates: bool = True
+    ) -> int | None:
         """Send `work(problem, *args)` (and the problem, once per search, and this process's
-        busy rates); a ticket, or None where the helper is gone."""
+        busy rates, `with_rates`); a ticket, or None where the helper is gone."""
         ticket = next(_TICKETS)
         try:
             search_id = _search_id(problem)
             if self.search_id != search_id:
                 self.connection.send(("problem", search_id, replace(problem, cache={})))
                 self.search_id = search_id
-            rates = {key: dict(table) for key, table in problem.cache.items() if _rates(key)}
+            rates = {}
+            if with_rates:
+                rates = {key: dict(t) for key, t in problem.cache.items() if _rates(key)}
             self.connection.send(("call", ticket, search_id, rates, work, args))
         except (OSError, ValueError):  # the helper is gone (or the pipe closed)
             return None
         self.waiting.add(ticket)
         return ticket
+
+    def withdraw(self, ticket: int) -> None:
+        if ticket not in self.waiting:
+            self.answers.pop(ticket, None)
+            return
+        with contextlib.suppress(OSError, ValueError):  # else the helper is gone
+            self.connection.send(("withdraw", ticket))
+        self.waiting.discard(ticket)
+        self.withdrawn.add(ticket)
 
     def idle(self) -> bool:
         """Whether every answer asked for is in (read without waiting)."""
@@ -238,7 +282,10 @@ class _Helper:
             while True:
                 ticket, answer = self.connection.recv()
                 self.waiting.discard(ticket)
-                self.answers[ticket] = answer
+                if ticket in self.withdrawn:
+                    self.withdrawn.discard(ticket)
+                else:
+                    self.answers[ticket] = answer
                 if wait_s or not self.connection.poll(0.0):
                     return True
         except (EOFError, OSError):  # it died: nothing more will come
@@ -310,6 +357,12 @@ def _evaluated(problem: Problem, batch: list[GlobalChoices]) -> list[Scored]:
     return [plan_for_choices(problem, choices) for choices in batch]
 
 
+def planned(problem: Problem, choices: GlobalChoices) -> tuple[Scored, float]:
+    """In the helper: the plan of `choices`, and the seconds it took."""
+    started_s = time.perf_counter()
+    return plan_for_choices(problem, choices), time.perf_counter() - started_s
+
+
 class _Pickler(pickle.Pickler):
     """Pickles the problem's cluster, model and cost model by name: the other process has
     them (`_dumps`, `_loads`)."""
@@ -354,23 +407,33 @@ def _serve(connection) -> None:
     gc.freeze()
     gc.enable()
     problem, search_id = None, None
+    work: collections.deque = collections.deque()
+    withdrawn: set[int] = set()
     while True:
-        try:
-            message = connection.recv()
+        try:  # take in all that was sent; wait for more only with nothing to do
+            while not work or connection.poll(0.0):
+                message = connection.recv()
+                if message[0] == "problem":
+                    if problem is not None:
+                        problem.cache.clear()  # its local models refer back to it
+                    _, search_id, problem = message
+                    withdrawn.clear()
+                elif message[0] == "withdraw":
+                    withdrawn.add(message[1])
+                else:
+                    work.append(message)
         except (EOFError, OSError):
             return
-        if message[0] == "problem":
-            if problem is not None:
-                problem.cache.clear()  # its local models refer back to it (`search.api`)
-            _, search_id, problem = message
+        _, ticket, wanted, rates, function, args = work.popleft()
+        if ticket in withdrawn:
+            withdrawn.discard(ticket)
             continue
-        _, ticket, wanted, rates, work, args = message
         try:
             if wanted != search_id:
                 raise LookupError("work of another search")
             for key, table in rates.items():
                 problem.cache.setdefault(key, {}).update(table)
-            answer = _dumps((work(problem, *args),), problem)
+            answer = _dumps((function(problem, *args),), problem)
         except Exception:
             answer = None
         try:

@@ -11,9 +11,16 @@ import optuna
 
 from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
+from hexiseq.search import helper
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import RING_ORDERS, GlobalChoices, candidate_hp_degrees, chunk_quantum
-from hexiseq.search.helper import HELPER_MIN_SHARE_S, evaluate_batch, has_helper
+from hexiseq.search.helper import (
+    BATCH_MIN_WAIT_S,
+    BATCH_WAIT_FACTOR,
+    HELPER_MIN_SHARE_S,
+    evaluate_batch,
+    has_helper,
+)
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.options import SearchOptions
 
@@ -59,7 +66,9 @@ class Objective:
         self.beside = beside
         self.cache: dict[tuple, Plan | InfeasiblePlan] = {}
         self.quanta = quantum_choices(problem)
-        self.built, self.built_s = 0, 0.0  # plans built here, and their seconds
+        self.built, self.built_s = 0, 0.0  # plans built (here or ahead), and their seconds
+        self.ahead: dict[tuple, int] = {}  # choices key -> the helper's ticket (`build_ahead`)
+        self.taken_ahead = 0  # plans the helper built ahead that were taken
 
     def __call__(self, trial: optuna.Trial):
         choices = self.sample(trial)
@@ -85,12 +94,62 @@ class Objective:
 
     def plan(self, choices: GlobalChoices) -> Plan | InfeasiblePlan:
         key = choices.key()
+        if key not in self.cache and key in self.ahead:
+            self._take_ahead(key)
         if key not in self.cache:
             started_s = time.perf_counter()
             self.cache[key] = plan_for_choices(self.problem, choices)
             self.built_s += time.perf_counter() - started_s
             self.built += 1
         return self.cache[key]
+
+    def build_ahead(self, batch: list[GlobalChoices]) -> None:
+        """Have the helper build the plans of `batch`, in order, before they are asked for
+        (with `beside`, where the search has a helper): only plans that are the same
+        whenever they are built (`shortlist.ahead_of_descents`). `plan` takes each when asked
+        for it, where the helper has built it or is building it, and else builds it here and
+        withdraws it from the helper."""
+        if not (self.beside and has_helper(self.problem)):
+            return  # a helper still busy (with the baselines) would not start them in time
+        rates = True  # the busy rates go with the first: they do not change meanwhile
+        for choices in batch:
+            if choices.key() in self.cache or choices.key() in self.ahead:
+                continue
+            ticket = helper.start(self.problem, helper.planned, choices, rates=rates)
+            if ticket is None:
+                return
+            self.ahead[choices.key()], rates = ticket, False
+
+    def drop_ahead(self, choices: GlobalChoices | None = None) -> None:
+        """Withdraw from the helper the plan of `choices` built ahead (None: every one not
+        asked for)."""
+        keys = list(self.ahead) if choices is None else [choices.key()]
+        for key in keys:
+            if key in self.ahead:
+                helper.withdraw(self.problem, self.ahead.pop(key))
+
+    def _take_ahead(self, key: tuple) -> None:
+        """The plan built ahead for `key` where the helper has built it or is building it;
+        the plans it has not started yet are withdrawn (this process builds them, and the
+        helper builds the next beside each: `guess`, `plans`)."""
+        ticket = self.ahead.pop(key)
+        working = helper.under_way(self.problem)
+        for other in [k for k, t in self.ahead.items() if working is not None and t > working]:
+            helper.withdraw(self.problem, self.ahead.pop(other))
+        # Where the helper has built none yet, the one under way is its first of the search
+        # (the helper's slowest): this process builds it sooner than it would wait for it.
+        first = working is not None and ticket == working and not self.taken_ahead
+        if (working is not None and ticket > working) or first:
+            helper.withdraw(self.problem, ticket)
+            return
+        wait_s = max(BATCH_MIN_WAIT_S, BATCH_WAIT_FACTOR * self.built_s / max(1, self.built))
+        answer = helper.result(self.problem, ticket, wait_s)
+        if answer is not None:
+            plan, seconds = answer[0]
+            self.cache[key] = plan
+            self.built_s += seconds
+            self.built += 1
+            self.taken_ahead += 1
 
     def plans(self, batch: list[GlobalChoices]) -> list[Plan | InfeasiblePlan]:
         """`plan` of each of `batch`, in order; those not built yet are built together (the

@@ -149,12 +149,21 @@ def _score_shortlist(study, objective: Objective, limit: int | None) -> int:
     is scored here and added to the study finished, in one write: never a waiting trial that
     two processes sharing the study could both take (SQLite cannot lock it), nor a running
     one a kill could leave behind. Returns how many trials it added."""
+    try:
+        return _scored_shortlist(study, objective, limit)
+    finally:
+        objective.drop_ahead()
+
+
+def _scored_shortlist(study, objective: Objective, limit: int | None) -> int:
     problem = objective.problem
     quantum = objective.quanta[len(objective.quanta) // 2]
     best_step_s, added = math.inf, 0
-    waiting = shortlist(problem, objective.quanta)[:limit]
+    # Meanwhile the helper builds the picks whose plans do not depend on when they are built.
+    waiting = shortlist(problem, objective.quanta, objective.build_ahead)[:limit]
     for index, choices in enumerate(waiting):
         if added and hopeless(problem, choices, best_step_s):
+            objective.drop_ahead(choices)
             continue
         # The next candidate not hopeless yet is built beside this one, and kept if it is
         # still not hopeless once this one is scored (as it would then be built next).

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from hexiseq.search import helper
 from hexiseq.search._evaluate import Problem
@@ -58,11 +60,16 @@ the largest. At 64 it made 64 GPUs of 8 types 0.85 s against 0.60 s, for the sam
 the 12 planner-scaling cells of 64 GPUs and 16 random clusters of 33-64 GPUs."""
 
 
-def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
+def shortlist(
+    problem: Problem,
+    quanta: list[int],
+    ahead: Callable[[list[GlobalChoices]], None] | None = None,
+) -> list[GlobalChoices]:
     """The greedy picks (each without activation checkpointing where the screen finds that
     it fits, since the recompute is then pure cost) and, for each checkpointing setting, the
     SCREEN_KEEP best-screened candidates of a descent from the best pick: the greedy default
-    first, the others in order of estimate."""
+    first, the others in order of estimate. Where the descents stay in this process, `ahead`
+    is first given the picks that can be built at once (`ahead_of_descents`)."""
     quantum = quanta[len(quanta) // 2]
     picks = [_without_recompute(problem, c, quanta) for c in _greedy_seeds(problem, quantum)]
     chosen = {c.key(): c for c in picks}
@@ -75,12 +82,24 @@ def shortlist(problem: Problem, quanta: list[int]) -> list[GlobalChoices]:
             starts = [c for c in starts if not _fits_without_recompute(problem, c)]
         if starts:
             descents.append(starts)
-    for found in _descents(problem, descents):
+    early = None if ahead is None else partial(ahead, ahead_of_descents(problem, picks))
+    for found in _descents(problem, descents, early):
         chosen.update((c.key(), c) for c in found)
     default, *others = chosen.values()
     finite = [c for c in others if math.isfinite(estimate_s(problem, c))]
     infinite = [c for c in others if not math.isfinite(estimate_s(problem, c))]
     return [default, *sorted(finite, key=lambda c: tie_key(estimate_s(problem, c))), *infinite[:1]]
+
+
+def ahead_of_descents(problem: Problem, picks: list[GlobalChoices]) -> list[GlobalChoices]:
+    """The picks whose plans can be built before the descents end, in the order the short
+    list will have them (the default first, then by estimate): those with a finite estimate,
+    whose groups' busy rates are known (and never change: `screen._fill_from`), so their
+    plans are the same whenever they are built."""
+    default, *others = {c.key(): c for c in picks}.values()
+    finite = [c for c in others if math.isfinite(estimate_s(problem, c))]
+    ordered = [default, *sorted(finite, key=lambda c: tie_key(estimate_s(problem, c)))]
+    return [c for c in ordered if math.isfinite(estimate_s(problem, c))]
 
 
 def hopeless(problem: Problem, choices: GlobalChoices, best_step_s: float) -> bool:
@@ -108,17 +127,22 @@ def _moves(problem: Problem, starts: list[GlobalChoices]) -> bool:
     return any(math.isfinite(estimate_s(problem, c)) for c in starts)
 
 
-def _descents(problem: Problem, descents: list[list[GlobalChoices]]) -> list[list]:
+def _descents(
+    problem: Problem, descents: list[list[GlobalChoices]], early: Callable[[], None] | None
+) -> list[list]:
     """`_descended` of each of `descents` (at most one per checkpointing setting): the last
     one in the search's helper (`search.helper`) where it has one, while this process runs
-    the others. A descent keeps to its own step (`problem.train` with its checkpointing): its
-    busy rates, probes and estimates are that step's, so the two never see each other's, and
-    the helper's are taken in here as if found here."""
+    the others (else `early()` first, which may give the helper other work). A descent keeps
+    to its own step (`problem.train` with its checkpointing): its busy rates, probes and
+    estimates are that step's, so the two never see each other's, and the helper's are
+    taken in here as if found here."""
     moving = [starts for starts in descents if _moves(problem, starts)]
     ticket = None
     if len(moving) > 1:  # a descent that ends at once is not worth waiting for
         ticket = helper.start(problem, _descended_beside, descents[-1])
     if ticket is None:
+        if early is not None:
+            early()
         return [_descended(problem, starts) for starts in descents]
     started_s = time.perf_counter()
     found = [_descended(problem, starts) for starts in descents[:-1]]
@@ -128,8 +152,10 @@ def _descents(problem: Problem, descents: list[list[GlobalChoices]]) -> list[lis
         return [*found, _descended(problem, descents[-1])]
     last, memos = answer[0]
     for key, value in memos.items():
-        if key[0] == "rates":
-            problem.cache.setdefault(key, {}).update(value)
+        if key[0] == "rates":  # a group's rates, once found, are kept (`screen._fill_from`)
+            table = problem.cache.setdefault(key, {})
+            for group, rates in value.items():
+                table.setdefault(group, rates)
         else:
             problem.cache.setdefault(key, value)
     return [*found, last]

@@ -276,7 +276,7 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
     monkeypatch.setattr(helper._Helper, "call", recording)
     # however fast this search's plans are, the next candidate is built ahead
     monkeypatch.setattr(Objective, "_worth_sending", lambda self, count: count > 0)
-    monkeypatch.setattr(optuna_layer, "shortlist", lambda problem, quanta: [first, doomed, last])
+    monkeypatch.setattr(optuna_layer, "shortlist", lambda p, quanta, ahead: [first, doomed, last])
     monkeypatch.setattr(optuna_layer, "hopeless", hopeless)
     problem = problem_on("h100x8-a100x8")
     objective = Objective(problem, multi_objective=False, beside=True)
@@ -343,3 +343,107 @@ def test_an_answer_that_cannot_be_read_here_is_scored_here(monkeypatch):
     monkeypatch.setattr(helper, "_loads", unreadable)
     assert baselines_pid(problem_on("mix2-128")) == TEST_PID
     assert helper._HELPER is None  # stopped: the next search forks another
+
+
+def sleeps_in_helper(problem: Problem, seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def built_here_counter(monkeypatch) -> list:
+    """The choices whose plans `Objective.plan` builds in this process."""
+    from hexiseq.search import objective as objective_module
+
+    built = []
+    real = objective_module.plan_for_choices
+
+    def counting(problem, choices):
+        built.append(choices.key())
+        return real(problem, choices)
+
+    monkeypatch.setattr(objective_module, "plan_for_choices", counting)
+    return built
+
+
+def test_plans_built_ahead_by_the_helper_are_taken_as_built_here(monkeypatch):
+    """The short list's picks go to the helper while the descent runs here
+    (`Objective.build_ahead`); asked for once the helper has built them, they are its plans,
+    the same as this process builds, and this process builds none of them."""
+    batch = [replace(c, chunk_quantum=256) for c in BATCH[:3]]
+    alone = problem_on("h100x8-a100x8")
+    here = [plan_for_choices(alone, choices) for choices in batch]
+    problem = problem_on("h100x8-a100x8")
+    built = built_here_counter(monkeypatch)
+    objective = Objective(problem, multi_objective=False, beside=True)
+    with helper.helping(problem, True):
+        objective.build_ahead(batch)
+        assert len(objective.ahead) == 3
+        deadline = time.perf_counter() + 30
+        while helper.under_way(problem) is not None and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        plans = [objective.plan(choices) for choices in batch]
+    assert built == [] and objective.taken_ahead == 3 and objective.built == 3
+    assert batch_rows(plans) == batch_rows(here)
+    assert all(p.cluster is problem.cluster for p in plans if isinstance(p, Plan))
+
+
+def test_plans_the_helper_has_not_started_are_withdrawn_and_built_here(monkeypatch):
+    """Behind other work of the helper's, the plans built ahead are withdrawn when the first
+    is asked for: this process builds it (and the others when asked), the helper skips them
+    (they never answer), and it is kept for the search's other work."""
+    from hexiseq.search import objective as objective_module
+
+    batch = [replace(c, chunk_quantum=256) for c in BATCH[:3]]
+    problem = problem_on("h100x8-a100x8")
+    built = built_here_counter(monkeypatch)
+    objective = Objective(problem, multi_objective=False, beside=True)
+    monkeypatch.setattr(objective_module, "has_helper", lambda problem: True)
+    with helper.helping(problem, True):
+        busy = helper.start(problem, sleeps_in_helper, 0.5)
+        objective.build_ahead(batch)
+        tickets = list(objective.ahead.values())
+        plans = [objective.plan(choices) for choices in batch]
+        assert built == [c.key() for c in batch] and not objective.ahead
+        assert helper.result(problem, busy, 30)[0] != TEST_PID
+        after = helper.start(problem, sleeps_in_helper, 0.0)  # answered after the skipped
+        assert helper.result(problem, after, 30)[0] == helper._HELPER.process.pid
+        assert set(tickets) <= helper._HELPER.withdrawn  # no answer came: skipped
+        assert not helper._HELPER.waiting and not helper._HELPER.answers
+    assert all(isinstance(p, Plan) for p in plans[:3] if p is not None)
+
+
+@pytest.mark.parametrize("gpus, count", [(32, 4), (16, 4)])
+def test_a_search_with_plans_built_ahead_reports_what_one_without_its_helper_does(
+    monkeypatch, gpus, count
+):
+    """planner_scaling's cells where the descents stay here and the helper builds the picks
+    meanwhile: the same best plan, trials, baselines and replicas as a search without its
+    helper."""
+    from hexiseq.search import objective as objective_module
+    from hexiseq.search import shortlist as shortlist_module
+
+    types = ["H100-SXM", "A100-80G", "H200", "L40S"][:count]
+    cluster = planner_scaling_cluster(gpus, types)
+    taken = []
+    drop = Objective.drop_ahead
+    descended = shortlist_module._descended
+
+    def recording(self, choices=None):
+        if choices is None:  # the short list is done
+            taken.append(self.taken_ahead)
+        return drop(self, choices)
+
+    def slow_descent(problem, starts):  # time for the helper to build every pick ahead
+        time.sleep(0.5)
+        return descended(problem, starts)
+
+    monkeypatch.setattr(Objective, "drop_ahead", recording)
+    monkeypatch.setattr(shortlist_module, "_descended", slow_descent)
+    # sent even behind the baselines, however long they take this machine
+    monkeypatch.setattr(objective_module, "has_helper", lambda problem: True)
+    found = describe(plan_search(cluster, "llama3-8b", "1M"))
+    assert taken[0] >= 3  # the picks' plans are the helper's
+    monkeypatch.setattr(helper, "safe_to_fork", lambda: False)
+    helper._stop()
+    assert describe(plan_search(cluster, "llama3-8b", "1M")) == found
+    assert taken[1] == 0

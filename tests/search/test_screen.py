@@ -87,8 +87,8 @@ def test_hopeless_short_list_candidates_are_left_out_without_changing_the_plan(m
     listed, left_out = [], []
     real_shortlist, real_hopeless = optuna_layer.shortlist, optuna_layer.hopeless
 
-    def recording_shortlist(problem, quanta):
-        listed[:] = real_shortlist(problem, quanta)
+    def recording_shortlist(problem, quanta, ahead=None):
+        listed[:] = real_shortlist(problem, quanta, ahead)
         return listed
 
     def recording_hopeless(problem, choices, best_step_s):
@@ -140,3 +140,40 @@ def test_groups_that_memory_rules_out_are_infeasible_without_a_probe():
     assert simulations(problem) == 0
     checkpointed = GlobalChoices({"H100-SXM": 8, "A100-80G": 8}, "bandwidth", 128, True)
     assert math.isfinite(estimate_s(problem, checkpointed)) and simulations(problem) == 1
+
+
+def test_a_groups_busy_rates_once_found_are_kept():
+    """Another layout's simulation of a group gives rates that differ in the last bits:
+    the first found are kept, so a plan built from them is the same whenever it is built
+    (`shortlist.ahead_of_descents`)."""
+    from hexiseq.search.screen import _fill_from, _known_rates, grouping
+
+    problem = paper_problem()
+    choices = GlobalChoices({"H100-SXM": 4, "A100-80G": 4}, "bandwidth", 128)
+    groups, heads = grouping(problem, choices)
+    _fill_from(problem, groups, heads, 128)
+    first = dict(_known_rates(problem))
+    assert set(groups) <= set(first)
+    wider = GlobalChoices({"H100-SXM": 4, "A100-80G": 2}, "bandwidth", 128)
+    other_groups, other_heads = grouping(problem, wider)
+    shared = set(groups) & set(other_groups)
+    assert shared  # the H100s' groups are the same in both layouts
+    _fill_from(problem, other_groups, other_heads, 64)
+    known = _known_rates(problem)
+    assert all(known[group] is first[group] for group in groups)
+    assert set(other_groups) <= set(known)  # the new groups are added
+
+
+def test_the_picks_built_ahead_are_the_short_lists_in_its_order():
+    """`ahead_of_descents`: the picks with a finite estimate, in the order the short list
+    will have them (the greedy default first)."""
+    from hexiseq.search.objective import quantum_choices
+
+    problem = paper_problem()
+    quanta = quantum_choices(problem)
+    given = []
+    found = shortlist(problem, quanta, given.extend)
+    assert given and all(math.isfinite(estimate_s(problem, c)) for c in given)
+    keys = [c.key() for c in given]
+    assert keys[0] == found[0].key() and len(keys) > 2
+    assert [c.key() for c in found if c.key() in keys] == keys
