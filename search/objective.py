@@ -67,7 +67,9 @@ class Objective:
         self.cache: dict[tuple, Plan | InfeasiblePlan] = {}
         self.quanta = quantum_choices(problem)
         self.built, self.built_s = 0, 0.0  # plans built (here or ahead), and their seconds
-        self.ahead: dict[tuple, int] = {}  # choices key -> the helper's ticket (`build_ahead`)
+        # choices key -> (choices, the helper's ticket): plans built ahead (`build_ahead`)
+        self.ahead: dict[tuple, tuple[GlobalChoices, int]] = {}
+        self.early: dict[tuple, Plan | InfeasiblePlan] = {}  # built here ahead (`_take_ahead`)
         self.taken_ahead = 0  # plans the helper built ahead that were taken
 
     def __call__(self, trial: optuna.Trial):
@@ -96,6 +98,8 @@ class Objective:
         key = choices.key()
         if key not in self.cache and key in self.ahead:
             self._take_ahead(key)
+        if key not in self.cache and key in self.early:
+            self.cache[key] = self.early.pop(key)
         if key not in self.cache:
             started_s = time.perf_counter()
             self.cache[key] = plan_for_choices(self.problem, choices)
@@ -118,30 +122,39 @@ class Objective:
             ticket = helper.start(self.problem, helper.planned, choices, rates=rates)
             if ticket is None:
                 return
-            self.ahead[choices.key()], rates = ticket, False
+            self.ahead[choices.key()], rates = (choices, ticket), False
 
     def drop_ahead(self, choices: GlobalChoices | None = None) -> None:
         """Withdraw from the helper the plan of `choices` built ahead (None: every one not
         asked for)."""
-        keys = list(self.ahead) if choices is None else [choices.key()]
+        keys = list(self.ahead) + list(self.early) if choices is None else [choices.key()]
         for key in keys:
+            self.early.pop(key, None)
             if key in self.ahead:
-                helper.withdraw(self.problem, self.ahead.pop(key))
+                helper.withdraw(self.problem, self.ahead.pop(key)[1])
 
     def _take_ahead(self, key: tuple) -> None:
         """The plan built ahead for `key` where the helper has built it or is building it;
         the plans it has not started yet are withdrawn (this process builds them, and the
-        helper builds the next beside each: `guess`, `plans`)."""
-        ticket = self.ahead.pop(key)
+        helper builds the next beside each: `guess`, `plans`). While the helper finishes
+        `key`'s, this process builds the next one's (kept in `early`, remembered when asked
+        for: a candidate dropped as hopeless meanwhile is dropped with it)."""
+        _, ticket = self.ahead.pop(key)
         working = helper.under_way(self.problem)
-        for other in [k for k, t in self.ahead.items() if working is not None and t > working]:
-            helper.withdraw(self.problem, self.ahead.pop(other))
-        # Where the helper has built none yet, the one under way is its first of the search
-        # (the helper's slowest): this process builds it sooner than it would wait for it.
-        first = working is not None and ticket == working and not self.taken_ahead
-        if (working is not None and ticket > working) or first:
+        later = [k for k, (_, t) in self.ahead.items() if working is not None and t > working]
+        withdrawn = []
+        for other in later:
+            choices, other_ticket = self.ahead.pop(other)
+            helper.withdraw(self.problem, other_ticket)
+            withdrawn.append(choices)
+        if working is not None and ticket > working:
             helper.withdraw(self.problem, ticket)
             return
+        if ticket == working and withdrawn:
+            started_s = time.perf_counter()
+            self.early[withdrawn[0].key()] = plan_for_choices(self.problem, withdrawn[0])
+            self.built_s += time.perf_counter() - started_s
+            self.built += 1
         wait_s = max(BATCH_MIN_WAIT_S, BATCH_WAIT_FACTOR * self.built_s / max(1, self.built))
         answer = helper.result(self.problem, ticket, wait_s)
         if answer is not None:
@@ -168,7 +181,8 @@ class Objective:
         remembering it (or Nones): the caller keeps it with `remember` only where it would
         have built it anyway."""
         ahead = following() if self._worth_sending(1) and has_helper(self.problem) else None
-        if ahead is None or ahead.key() in self.cache or choices.key() in self.cache:
+        built = set(self.cache) | set(self.early)
+        if ahead is None or ahead.key() in built or choices.key() in built:
             self.plan(choices)
             return None, None
         _, guessed = evaluate_batch(self.problem, [choices, ahead], self.plan)

@@ -401,7 +401,7 @@ def test_plans_the_helper_has_not_started_are_withdrawn_and_built_here(monkeypat
     with helper.helping(problem, True):
         busy = helper.start(problem, sleeps_in_helper, 0.5)
         objective.build_ahead(batch)
-        tickets = list(objective.ahead.values())
+        tickets = [ticket for _, ticket in objective.ahead.values()]
         plans = [objective.plan(choices) for choices in batch]
         assert built == [c.key() for c in batch] and not objective.ahead
         assert helper.result(problem, busy, 30)[0] != TEST_PID
@@ -410,6 +410,43 @@ def test_plans_the_helper_has_not_started_are_withdrawn_and_built_here(monkeypat
         assert set(tickets) <= helper._HELPER.withdrawn  # no answer came: skipped
         assert not helper._HELPER.waiting and not helper._HELPER.answers
     assert all(isinstance(p, Plan) for p in plans[:3] if p is not None)
+
+
+def slow_planned(problem: Problem, choices: GlobalChoices):
+    time.sleep(0.4)
+    return REAL_PLANNED(problem, choices)
+
+
+REAL_PLANNED = helper.planned
+
+
+def test_while_the_helper_builds_the_plan_asked_for_the_next_is_built_here(monkeypatch):
+    """The plan asked for is under way in the helper: this process builds the next one's
+    meanwhile (remembered only when asked for), waits for the helper's, and builds the
+    rest; a candidate dropped meanwhile is dropped with its plan."""
+    monkeypatch.setattr(helper, "planned", slow_planned)  # the helper is forked with it
+    batch = [replace(c, chunk_quantum=256) for c in BATCH[:4]]
+    alone = problem_on("h100x8-a100x8")
+    here = [plan_for_choices(alone, choices) for choices in batch]
+    problem = problem_on("h100x8-a100x8")
+    built = built_here_counter(monkeypatch)
+    objective = Objective(problem, multi_objective=False, beside=True)
+    with helper.helping(problem, True):
+        objective.build_ahead(batch)
+        time.sleep(0.1)  # the helper is on the first
+        first = objective.plan(batch[0])
+        assert built == [batch[1].key()] and objective.taken_ahead == 1
+        assert set(objective.early) == {batch[1].key()} and batch[1].key() not in objective.cache
+        second = objective.plan(batch[1])  # the one built meanwhile
+        assert built == [batch[1].key()] and not objective.early
+        objective.build_ahead([])  # nothing more
+        third = objective.plan(batch[2])
+        assert built == [batch[1].key(), batch[2].key()]
+    assert batch_rows([first, second, third]) == batch_rows(here[:3])
+    dropped = Objective(problem_on("h100x8-a100x8"), multi_objective=False, beside=True)
+    dropped.early[batch[3].key()] = here[3]
+    dropped.drop_ahead(batch[3])
+    assert not dropped.early
 
 
 @pytest.mark.parametrize("gpus, count", [(32, 4), (16, 4)])
