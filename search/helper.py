@@ -9,11 +9,11 @@ picks the short list will score (`Objective.build_ahead`: their busy rates are k
 never change, so they are the plans this process would build later).
 
 The helper works in order, one piece of work at a time. Work not started yet can be
-withdrawn (`withdraw`): the helper skips it, and an answer that comes anyway is dropped. A
-plan built ahead is taken where the helper has built it or is building it (`under_way`:
-the first asked for and not answered), except its first of the search (its slowest, its
-caches cold); the others still waiting are withdrawn then, and built here with the next
-candidate beside each, as without them.
+withdrawn (`withdraw`): the helper skips it, and its answer (an empty one where skipped) is
+dropped. A plan built ahead is taken where the helper has built it or is building it
+(`under_way`: the first asked for and not answered); the others still waiting are withdrawn
+then, and built here (the next one while the helper finishes the one asked for) with the
+next candidate beside each, as without them.
 
 Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
 search forks one helper process, and the process keeps it for its later searches. A search
@@ -425,8 +425,12 @@ def _serve(connection) -> None:
         except (EOFError, OSError):
             return
         _, ticket, wanted, rates, function, args = work.popleft()
-        if ticket in withdrawn:
+        if ticket in withdrawn:  # skipped; the empty answer lets the parent forget it
             withdrawn.discard(ticket)
+            try:
+                connection.send((ticket, None))
+            except (OSError, ValueError):
+                return
             continue
         try:
             if wanted != search_id:
