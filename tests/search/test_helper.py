@@ -373,16 +373,23 @@ def built_here_counter(monkeypatch) -> list:
     return built
 
 
+def built_ahead_setup(monkeypatch, count: int) -> tuple[list, list, list, Objective]:
+    """`count` candidates, their plans built in a process of their own, the list of those
+    `Objective.plan` builds here, and an objective (with `beside`) on a problem of its own."""
+    batch = [replace(c, chunk_quantum=256) for c in BATCH[:count]]
+    alone = problem_on("h100x8-a100x8")
+    here = [plan_for_choices(alone, choices) for choices in batch]
+    built = built_here_counter(monkeypatch)
+    objective = Objective(problem_on("h100x8-a100x8"), multi_objective=False, beside=True)
+    return batch, here, built, objective
+
+
 def test_plans_built_ahead_by_the_helper_are_taken_as_built_here(monkeypatch):
     """The short list's picks go to the helper while the descent runs here
     (`Objective.build_ahead`); asked for once the helper has built them, they are its plans,
     the same as this process builds, and this process builds none of them."""
-    batch = [replace(c, chunk_quantum=256) for c in BATCH[:3]]
-    alone = problem_on("h100x8-a100x8")
-    here = [plan_for_choices(alone, choices) for choices in batch]
-    problem = problem_on("h100x8-a100x8")
-    built = built_here_counter(monkeypatch)
-    objective = Objective(problem, multi_objective=False, beside=True)
+    batch, here, built, objective = built_ahead_setup(monkeypatch, 3)
+    problem = objective.problem
     with helper.helping(problem, True):
         objective.build_ahead(batch)
         assert len(objective.ahead) == 3
@@ -402,10 +409,8 @@ def test_plans_the_helper_has_not_started_are_withdrawn_and_built_here(monkeypat
     from hexiseq.search import objective as objective_module
 
     monkeypatch.setattr(helper, "planned", slow_planned)  # 0.4 s a plan in the helper
-    batch = [replace(c, chunk_quantum=256) for c in BATCH[:3]]
-    problem = problem_on("h100x8-a100x8")
-    built = built_here_counter(monkeypatch)
-    objective = Objective(problem, multi_objective=False, beside=True)
+    batch, here, built, objective = built_ahead_setup(monkeypatch, 3)
+    problem = objective.problem
     monkeypatch.setattr(objective_module, "has_helper", lambda problem: True)
     with helper.helping(problem, True):
         busy = helper.start(problem, sleeps_in_helper, 0.5)
@@ -419,7 +424,7 @@ def test_plans_the_helper_has_not_started_are_withdrawn_and_built_here(monkeypat
         assert time.perf_counter() - started < 1.0  # not 3 x 0.4 s of withdrawn plans
         assert not helper._HELPER.waiting and not helper._HELPER.answers
         assert not helper._HELPER.withdrawn  # every one answered (empty) and forgotten
-    assert all(isinstance(p, Plan) for p in plans[:3] if p is not None)
+    assert batch_rows(plans) == batch_rows(here)
 
 
 def test_while_the_helper_builds_the_plan_asked_for_the_next_is_built_here(monkeypatch):
@@ -427,12 +432,8 @@ def test_while_the_helper_builds_the_plan_asked_for_the_next_is_built_here(monke
     meanwhile (remembered only when asked for), waits for the helper's, and builds the
     rest; a candidate dropped meanwhile is dropped with its plan."""
     monkeypatch.setattr(helper, "planned", slow_planned)  # the helper is forked with it
-    batch = [replace(c, chunk_quantum=256) for c in BATCH[:4]]
-    alone = problem_on("h100x8-a100x8")
-    here = [plan_for_choices(alone, choices) for choices in batch]
-    problem = problem_on("h100x8-a100x8")
-    built = built_here_counter(monkeypatch)
-    objective = Objective(problem, multi_objective=False, beside=True)
+    batch, here, built, objective = built_ahead_setup(monkeypatch, 4)
+    problem = objective.problem
     with helper.helping(problem, True):
         objective.build_ahead(batch)
         time.sleep(0.1)  # the helper is on the first
