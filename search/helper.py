@@ -164,24 +164,46 @@ def evaluate_batch(
     problem: Problem,
     batch: Sequence[GlobalChoices],
     evaluate: Callable[[GlobalChoices], Scored],
-) -> list[Scored]:
-    """`[evaluate(c) for c in batch]`, the later half built by the helper where the search
-    has one with nothing else to do (module doc). `evaluate` (which may remember what it
-    builds) is called here on the first half, in order; the helper's plans are returned
-    without `evaluate` seeing them."""
+    more: Callable[[], list[GlobalChoices]] | None = None,
+    more_at_most: int = 0,
+    worth: Callable[[int], bool] = lambda count: True,
+) -> tuple[list[GlobalChoices], list[Scored]]:
+    """`batch + more()` and `[evaluate(c) for c in batch + more()]`, the later half built
+    by the helper where the search has one with nothing else to do (module doc) and `worth`
+    says that many plans are worth sending. Where `batch` alone is worth it, its later part
+    (up to half of all there will be: `more()` gives at most `more_at_most`) goes before
+    `more()` is called, so the helper builds while this process finds the rest (those plans
+    must not depend on what `more()` does: their busy rates known, `screen._fill_from`);
+    the rest of the helper's half goes once `more()` is known. `evaluate` (which may
+    remember what it builds) is called here on the others, in order; the helper's plans
+    are returned without `evaluate` seeing them."""
     helper = _helper_of(problem)
-    if len(batch) < 2 or helper is None or not helper.idle():
-        return [evaluate(choices) for choices in batch]
-    half = len(batch) // 2
-    mine, theirs = batch[:-half], batch[-half:]
-    ticket = helper.call(problem, _evaluated, (list(theirs),))
+    first = min(len(batch), (len(batch) + more_at_most) // 2)
+    parts: list[list[int]] = []  # positions in `batch + more()` the helper builds
+    tickets: list[int | None] = []
+    if first and helper is not None and helper.idle() and worth(len(batch) // 2):
+        parts.append(list(range(len(batch) - first, len(batch))))
+        tickets.append(helper.call(problem, _evaluated, ([batch[i] for i in parts[0]],)))
     started_s = time.perf_counter()
-    plans = [evaluate(choices) for choices in mine]
+    everything = [*batch, *(more() if more is not None else [])]
+    sent = {i for part in parts for i in part}
+    rest = [i for i in range(len(everything)) if i not in sent]
+    later = len(everything) // 2 - len(sent)
+    ready = helper is not None and (bool(tickets) or helper.idle())
+    if later > 0 and ready and worth(len(everything) // 2):
+        parts.append(rest[len(rest) - later :])
+        tickets.append(helper.call(problem, _evaluated, ([everything[i] for i in parts[-1]],)))
+    theirs = {i for part in parts for i in part}
+    plans: dict[int, Scored] = {i: evaluate(everything[i]) for i in rest if i not in theirs}
     wait_s = max(BATCH_MIN_WAIT_S, BATCH_WAIT_FACTOR * (time.perf_counter() - started_s))
-    answer = result(problem, ticket, wait_s)
-    if answer is None:
-        return plans + [evaluate(choices) for choices in theirs]
-    return plans + answer[0]
+    answered = True
+    for part, ticket in zip(parts, tickets):
+        # a helper that failed is stopped: what it had is built here, and it is not asked again
+        answer = result(problem, ticket, wait_s) if answered else None
+        answered = answer is not None
+        found = answer[0] if answered else [evaluate(everything[i]) for i in part]
+        plans.update(zip(part, found))
+    return everything, [plans[i] for i in range(len(everything))]
 
 
 def safe_to_fork() -> bool:

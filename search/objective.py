@@ -164,14 +164,28 @@ class Objective:
             self.built += 1
             self.taken_ahead += 1
 
-    def plans(self, batch: list[GlobalChoices]) -> list[Plan | InfeasiblePlan]:
-        """`plan` of each of `batch`, in order; those not built yet are built together (the
-        later half in the helper process, with `beside`) and remembered in batch order."""
+    def plans(
+        self,
+        batch: list[GlobalChoices],
+        more: Callable[[], list[GlobalChoices]] | None = None,
+        more_at_most: int = 0,
+    ) -> tuple[list[GlobalChoices], list[Plan | InfeasiblePlan]]:
+        """`batch + more()` (`more()` gives at most `more_at_most`) and the `plan` of each.
+        Those not built yet are built together, the later half in the helper process (with
+        `beside`, where worth sending), `batch`'s part of it started before `more()` is
+        called (`helper.evaluate_batch`)."""
         fresh = list({c.key(): c for c in batch if c.key() not in self.cache}.values())
-        if self._worth_sending(len(fresh) // 2):
-            for choices, plan in zip(fresh, evaluate_batch(self.problem, fresh, self.plan)):
+        if self.beside:
+            found, plans = evaluate_batch(
+                self.problem, fresh, self.plan, more, more_at_most, self._worth_sending
+            )
+            for choices, plan in zip(found, plans):
                 self.cache.setdefault(choices.key(), plan)
-        return [self.plan(choices) for choices in batch]
+            extra = found[len(fresh) :]
+        else:
+            extra = more() if more is not None else []
+        batch = [*batch, *extra]
+        return batch, [self.plan(choices) for choices in batch]
 
     def guess(
         self, choices: GlobalChoices, following: Callable[[], GlobalChoices | None]
@@ -185,7 +199,7 @@ class Objective:
         if ahead is None or ahead.key() in built or choices.key() in built:
             self.plan(choices)
             return None, None
-        _, guessed = evaluate_batch(self.problem, [choices, ahead], self.plan)
+        _, (_, guessed) = evaluate_batch(self.problem, [choices, ahead], self.plan)
         return ahead, guessed
 
     def _worth_sending(self, count: int) -> bool:

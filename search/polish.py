@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
@@ -62,16 +63,17 @@ def polish(
     problem: Problem,
     starts: list[tuple[GlobalChoices, float]],
     plan_of: Callable[[GlobalChoices], Plan | InfeasiblePlan],
-    plans_of: Callable[[list[GlobalChoices]], list[Plan | InfeasiblePlan]],
+    plans_of: Callable[..., tuple[list[GlobalChoices], list[Plan | InfeasiblePlan]]],
     is_scored: Callable[[GlobalChoices], bool],
     quanta: list[int],
     evaluations: int,
     deadline: float | None,
 ) -> list[Scored]:
     """Local search from `starts` ((choices, tokens/s), best first); returns what it
-    scored. `plan_of` builds (and remembers) a candidate's plan, `plans_of` those of a batch
-    (the same plans, built together: `Objective.plans`), `is_scored` says whether it already
-    has one; `deadline` is a perf_counter time or None."""
+    scored. `plan_of` builds (and remembers) a candidate's plan, `plans_of(batch, more,
+    more_at_most)` those of `batch + more()` (the same plans, built together, `batch`'s
+    started before `more` finds the rest: `Objective.plans`), `is_scored` says whether it
+    already has one; `deadline` is a perf_counter time or None."""
     scored: list[Scored] = []
     for current, score in starts[:POLISH_STARTS]:
         while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
@@ -81,13 +83,13 @@ def polish(
                 problem, current, current_plan, fresh, is_scored
             )
             batch = rings[:evaluations]
-            if len(batch) < evaluations:  # the screen is asked only where there is room
-                batch += faster()[: evaluations - len(batch)]
+            room = min(POLISH_SCREENED, evaluations - len(batch))
+            # the screen is asked only where there is room, while the rings are built
+            batch, plans = plans_of(batch, partial(faster, room) if room > 0 else None, room)
             evaluations -= len(batch)
-            plans = plans_of(batch)
-            second = later(plan_of)[:evaluations]
+            second, second_plans = plans_of(later(plan_of)[:evaluations])
             evaluations -= len(second)
-            plans += plans_of(second)
+            plans += second_plans
             batch += second
             if not batch:
                 break
@@ -128,12 +130,13 @@ def _worth_evaluating(
     current_plan: Plan | InfeasiblePlan,
     found: list[GlobalChoices],
     is_scored: Callable[[GlobalChoices], bool],
-) -> tuple[list[GlobalChoices], Callable[[], list], Callable[[Callable], list]]:
+) -> tuple[list[GlobalChoices], Callable[[int], list], Callable[[Callable], list]]:
     """The neighbours `found` worth evaluating, in two stages. First the ring layouts, which
     the screen cannot tell apart (they leave the loads the search settled on): the current
-    ring at the other quanta, and every other ring at the current quantum; then (a function:
-    the screen's estimates are not asked for where the rings use up the evaluations) the
-    regrouped neighbours estimated faster than the current plan runs (best POLISH_SCREENED).
+    ring at the other quanta, and every other ring at the current quantum; then (a function
+    of how many: the screen's estimates are not asked for where the rings use up the
+    evaluations) the regrouped neighbours estimated faster than the current plan runs, the
+    best up to POLISH_SCREENED.
     Second (given `plan_of`, once the first are scored): the other quanta of the
     POLISH_RING_FINALISTS rings fastest at the current quantum. Neighbours already scored
     are left out of both."""
@@ -150,8 +153,8 @@ def _worth_evaluating(
     ]
     current_s = step_s(current_plan)
 
-    def faster() -> list[GlobalChoices]:
-        return fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)
+    def faster(count: int) -> list[GlobalChoices]:
+        return fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)[:count]
 
     first = [c for (ring, _), c in rings.items() if ring == here and not is_scored(c)]
     first += [c for (r, q), c in rings.items() if r != here and q == quantum and not is_scored(c)]

@@ -198,11 +198,49 @@ def test_a_batch_gets_the_plans_this_process_would_build():
         return plan_for_choices(problem, choices)
 
     with helper.helping(problem, True):
-        plans = helper.evaluate_batch(problem, BATCH, evaluate)
+        found, plans = helper.evaluate_batch(problem, BATCH, evaluate)
+    assert found == BATCH
     assert built_here == BATCH[:3]  # the later half was the helper's
     assert batch_rows(plans) == batch_rows(here)
     assert [isinstance(p, Plan) for p in plans] == [True, True, True, False, True]
     assert all(p.cluster is problem.cluster for p in plans if isinstance(p, Plan))
+
+
+def test_the_helpers_part_of_a_batch_is_sent_before_the_rest_is_found_here(monkeypatch):
+    """`evaluate_batch` with `more`: the helper gets the later part of the batch (half of all
+    there will be) before `more()` runs here; this process builds the rest and what `more()`
+    found, and the plans are those one process builds."""
+    alone = problem_on("h100x8-a100x8")
+    here = [plan_for_choices(alone, choices) for choices in BATCH]
+    problem, built_here, events = problem_on("h100x8-a100x8"), [], []
+    call = helper._Helper.call
+
+    def recording(self, problem, work, args, with_rates=True):
+        events.append(("sent", args[0]))
+        return call(self, problem, work, args, with_rates)
+
+    def evaluate(choices):
+        built_here.append(choices)
+        return plan_for_choices(problem, choices)
+
+    def more():
+        events.append(("found", BATCH[3:]))
+        return BATCH[3:]
+
+    monkeypatch.setattr(helper._Helper, "call", recording)
+    with helper.helping(problem, True):
+        found, plans = helper.evaluate_batch(problem, BATCH[:3], evaluate, more, 2)
+        assert found == BATCH
+        assert events == [("sent", BATCH[1:3]), ("found", BATCH[3:])]
+        assert built_here == [BATCH[0], *BATCH[3:]]
+        assert batch_rows(plans) == batch_rows(here)
+        # more found than expected: the helper gets the later part of it too
+        events.clear(), built_here.clear()
+        found, plans = helper.evaluate_batch(problem, BATCH[:2], evaluate, lambda: BATCH[2:], 1)
+    assert found == BATCH
+    assert events == [("sent", BATCH[1:2]), ("sent", BATCH[4:])]
+    assert built_here == [BATCH[0], *BATCH[2:4]]
+    assert batch_rows(plans) == batch_rows(here)
 
 
 def test_a_batch_waits_for_no_helper_busy_with_the_baselines():

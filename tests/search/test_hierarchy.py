@@ -289,6 +289,10 @@ def test_polish_asks_the_screen_only_where_the_rings_leave_evaluations(monkeypat
     def plan_of(choices: GlobalChoices):
         return plans.setdefault(choices.key(), plan_for_choices(problem, choices))
 
+    def plans_of(batch, more=None, more_at_most=0):
+        batch = [*batch, *(more() if more is not None else [])]
+        return batch, [plan_of(c) for c in batch]
+
     def polished(evaluations: int) -> list:
         plans.clear()
         starts = [(start, polish_module.throughput(plan_of(start)))]
@@ -296,7 +300,7 @@ def test_polish_asks_the_screen_only_where_the_rings_leave_evaluations(monkeypat
             problem,
             starts,
             plan_of,
-            lambda batch: [plan_of(c) for c in batch],
+            plans_of,
             lambda c: c.key() in plans,
             quanta,
             evaluations,
