@@ -82,7 +82,8 @@ def shortlist(
             starts = [c for c in starts if not _fits_without_recompute(problem, c)]
         if starts:
             descents.append(starts)
-    early = None if ahead is None else partial(ahead, ahead_of_descents(problem, picks))
+    # the picks' estimates are asked for here only where the descents stay in this process
+    early = None if ahead is None else partial(_ahead_of_descents, ahead, problem, picks)
     for found in _descents(problem, descents, early):
         chosen.update((c.key(), c) for c in found)
     default, *others = chosen.values()
@@ -100,6 +101,10 @@ def ahead_of_descents(problem: Problem, picks: list[GlobalChoices]) -> list[Glob
     finite = [c for c in others if math.isfinite(estimate_s(problem, c))]
     ordered = [default, *sorted(finite, key=lambda c: tie_key(estimate_s(problem, c)))]
     return [c for c in ordered if math.isfinite(estimate_s(problem, c))]
+
+
+def _ahead_of_descents(ahead: Callable, problem: Problem, picks: list[GlobalChoices]) -> None:
+    ahead(ahead_of_descents(problem, picks))
 
 
 def hopeless(problem: Problem, choices: GlobalChoices, best_step_s: float) -> bool:
