@@ -137,6 +137,8 @@ def evaluate(
 
 
 def out_of_memory(name: str, missing: dict[int, int]) -> InfeasiblePlan:
+    if not missing:  # the solver found no split, yet no rank lacks memory: say so, not OOM
+        return InfeasiblePlan(name, "the local solver found no split of the sequence")
     total_gib = sum(missing.values()) / 2**30
     worst = max(missing, key=missing.get)
     reason = (

@@ -55,17 +55,28 @@ def solve(
 ) -> np.ndarray | None:
     """The optimal x, or None when the program is infeasible or unbounded; `integer` marks
     the integer columns (a MILP). A solve stopped by `time_limit_s` returns its best
-    feasible point, if it has one."""
+    feasible point, if it has one. A MILP whose presolve fails (HiGHS's solve error: seen
+    on a 32-GPU 3-type MILP that is feasible, and solved at once without presolve) is
+    solved again without it."""
+    milp = integer is not None and bool(np.any(integer))
+    x, status = _solved(program, integer, time_limit_s, relative_gap, presolve=milp)
+    if milp and status == HighsModelStatus.kSolveError:
+        x, _ = _solved(program, integer, time_limit_s, relative_gap, presolve=False)
+    return x
+
+
+def _solved(program, integer, time_limit_s: float, relative_gap: float, presolve: bool):
+    """(x or None, HiGHS's model status) of one run of a fresh solver."""
     highs = _Highs()  # one per program: HiGHS's time limit counts all runs of an instance
     highs.setOptionValue("output_flag", False)
     # One thread: HiGHS's worker threads compete for the cores with the search's helper
     # process (`search.helper`); beside it, default threads made the same 73 programs of a
     # 64-GPU search take 121 ms against 52 ms, and one thread changes no answer.
     highs.setOptionValue("threads", 1)
-    if integer is None or not np.any(integer):
+    if not presolve:
         # an LP of tens of columns: presolving it costs more than it saves
         highs.setOptionValue("presolve", "off")
-    else:
+    if integer is not None and np.any(integer):
         # The feasibility-jump heuristic (HiGHS 1.10+; an unknown option is refused quietly)
         # took 60 % of the local stage's MILPs, which close at the root node: 7.2 -> 2.8 ms a
         # program on the branch-and-bound cases of 32 and 64 GPUs of 8 types.
@@ -78,7 +89,7 @@ def solve(
     found = status == HighsModelStatus.kOptimal or (
         status in _STOPPED_WITH_POINT and highs.getInfo().primal_solution_status == _FEASIBLE
     )
-    return np.array(highs.getSolution().col_value) if found else None
+    return (np.array(highs.getSolution().col_value) if found else None), status
 
 
 def _lp(program: Program, integer: np.ndarray | None) -> HighsLp:

@@ -4,8 +4,9 @@
 shares f and the largest block B. Its rows split in two:
 
 - time and length rows, which involve only T and u: each class's units lie in a range that
-  widens as T grows (at most what its members compute by T, at least its size and what its
-  ring traffic needs by T), and the classes' units must cover the sequence;
+  widens as T grows (at most what its members compute by T less the leftover unit a group
+  may hold, at least its size and what its ring traffic needs by T), and the classes' units
+  must cover the sequence;
 - memory rows, which tie u, B and f.
 
 Dropping the memory rows leaves a relaxation of the relaxation whose optimum T0 is the least
@@ -68,7 +69,7 @@ class _Ranges:
         """(lowest, highest) units per class at each step time: two [times, classes]."""
         spare = step_s[:, None] - self.fixed
         with np.errstate(divide="ignore", invalid="ignore"):
-            cap = np.where(self.per_unit > 0, spare / self.per_unit, np.inf)
+            cap = np.where(self.per_unit > 0, spare / self.per_unit - 1.0, np.inf)
             need = np.where(
                 self.ring > 0, (self.total_tokens - spare / self.ring) / self.block, -np.inf
             )
@@ -298,7 +299,8 @@ def _least_largest(caps: np.ndarray, counts: np.ndarray, need: float) -> float:
 def busy_bound_s(model_classes, times, total_units: int) -> float:
     """A lower bound of the LP's step time from the time rows of busy work alone (no ring,
     no memory rows): the least T at which every class can take its size and the classes'
-    units, each at most what its slowest member computes by T, cover the sequence."""
+    units, each at most what its slowest member computes by T less the leftover unit a group
+    may hold, cover the sequence."""
     counts = np.array([len(cls.positions) for cls in model_classes], dtype=float)
     sizes = np.array([float(cls.size) for cls in model_classes])
     return _busy_root(counts, sizes, times, float(total_units) - float(counts.sum()))
@@ -306,21 +308,22 @@ def busy_bound_s(model_classes, times, total_units: int) -> float:
 
 def _busy_root(counts: np.ndarray, sizes: np.ndarray, times, need: float) -> float:
     """The least T with every member's T >= its fixed seconds plus its busy seconds at the
-    class's size, and sum over classes of count x units (each class at most what its
-    slowest member computes by T) >= `need`. The units covered by T are a sum of minima of
-    lines, concave and increasing in T, so Newton steps from below (any line of each class's
-    minimum: each lies above it) reach that T without passing it."""
+    class's size plus the leftover unit, and sum over classes of count x units (each class
+    at most what its slowest member computes by T, less the leftover unit) >= `need`. The
+    units covered by T are a sum of minima of lines, concave and increasing in T, so Newton
+    steps from below (any line of each class's minimum: each lies above it) reach that T
+    without passing it."""
     per_unit = np.concatenate([t[0] for t in times])
     fixed = np.concatenate([t[1] for t in times])
     owner = np.repeat(np.arange(len(times)), [len(t[0]) for t in times])
-    step_s = max(float(np.max(fixed)), float(np.max(per_unit * sizes[owner] + fixed)))
+    step_s = max(float(np.max(fixed)), float(np.max(per_unit * (sizes[owner] + 1) + fixed)))
     working = per_unit > 0
     if len(np.unique(owner[working])) < len(times):
         return step_s  # a class with no busy work can take any units
     a, b, owner = per_unit[working], fixed[working], owner[working]
     starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
     for _ in range(_NEWTON_STEPS):
-        caps = (step_s - b) / a
+        caps = (step_s - b) / a - 1.0
         lowest = np.minimum.reduceat(caps, starts)
         covered = float(counts @ lowest)
         if covered >= need * (1 - 1e-12):

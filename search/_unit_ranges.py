@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 class UnitRanges:
     """Per class, the units allowed at a step time T: at least the class size and what its
-    members' ring traffic needs by T, at most what they compute by T and the ceiling."""
+    members' ring traffic needs by T, at most what they compute by T less a group's possible
+    leftover unit (the time rows price it) and the ceiling."""
 
     def __init__(self, model: _Model, times, ceilings: np.ndarray) -> None:
         self.classes = np.concatenate([np.full(len(t[0]), c) for c, t in enumerate(times)])
@@ -30,7 +31,7 @@ class UnitRanges:
         """Class `c`'s slowest member's seconds at `units` (`_Model._finish_s` of one class)."""
         end = self.starts[c + 1] if c + 1 < len(self.starts) else len(self.per_unit)
         members = slice(self.starts[c], end)
-        busy = self.per_unit[members] * units + self.fixed[members]
+        busy = self.per_unit[members] * (units + 1) + self.fixed[members]
         traffic = self.ring[members] * (self.total_tokens - self.block * units)
         return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
 
@@ -58,7 +59,7 @@ class UnitRanges:
         """(lowest, highest) units per class at each step time: two [times, classes]."""
         spare = step_s[:, None] - self.fixed
         with np.errstate(divide="ignore", invalid="ignore"):
-            busy_cap = np.where(self.per_unit > 0, spare / self.per_unit, np.inf)
+            busy_cap = np.where(self.per_unit > 0, spare / self.per_unit - 1.0, np.inf)
             ring_need = np.where(
                 self.ring > 0, (self.total_tokens - spare / self.ring) / self.block, 0.0
             )

@@ -97,3 +97,29 @@ def test_a_forked_child_solves_a_milp():
     os.waitpid(child, 0)
     assert answered, "the forked child never finished its MILP"
     assert os.read(reader, 10) == b"True"
+
+
+def test_a_milp_whose_presolve_fails_is_solved_without_it():
+    """A local-stage MILP (saved from a 32-GPU search) that is feasible but on which HiGHS's
+    MILP presolve stops with a solve error: `solve` runs it again without the presolve and
+    returns an integer point within every row."""
+    import json
+    from pathlib import Path
+
+    saved = json.loads(
+        (Path(__file__).parent / "data" / "milp_presolve_solve_error.json").read_text()
+    )
+    program = Program(
+        *(np.array(saved[key]) for key in ("cost", "starts", "rows", "values")),
+        *(
+            np.array(saved[key], dtype=float)
+            for key in ("row_lower", "row_upper", "lower", "upper")
+        ),
+    )
+    integer = np.array(saved["integer"])
+    x = solve(program, integer=integer, time_limit_s=10.0, relative_gap=1e-6)
+    assert x is not None
+    matrix = csc_matrix((program.values, program.rows, program.starts)).toarray()
+    assert np.all(matrix @ x <= program.row_upper + 1e-6)
+    assert np.all(matrix @ x >= program.row_lower - 1e-6)
+    assert np.allclose(x[integer == 1], np.round(x[integer == 1]), atol=1e-6)

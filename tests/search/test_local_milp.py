@@ -14,13 +14,14 @@ from hexiseq.search.local_milp import (
     MILP_RELATIVE_GAP,
     _class_times,
     _classes,
+    _group_units,
     _Model,
     even_layout,
     rates_of,
     relaxed_step_s,
     solve_local,
 )
-from hexiseq.search.screen import grouping
+from hexiseq.search.screen import group_rates, grouping
 
 
 def problem_for(cluster, model: str, seq_len: int, checkpointing: bool = True) -> Problem:
@@ -72,6 +73,28 @@ def test_exact_integer_units_match_branch_and_bound(degrees):
     assert finish <= optimum * (1 + 1e-6)
     bound = model.relaxed_step_s(times)
     assert bound <= finish * (1 + 1e-9)  # the relaxation bounds it from below
+
+
+@pytest.mark.parametrize("seq_k", [64, 256])
+@pytest.mark.parametrize("degrees", THREE_TYPE_DEGREES)
+def test_every_group_finishes_within_the_solved_step_time(degrees, seq_k):
+    """The leftover units go one per group (`_group_units`), so the time rows price each
+    class with one unit more: under the same times, no group of the integer layout runs
+    past the step time the model solved for (before, a group given a leftover unit could:
+    on 64 GPUs of 8 types at 1M tokens a V100's extra unit cost 7.7 s of a 50 s step)."""
+    problem = problem_for(three_types(), "llama3-8b", seq_k * 1024)
+    model, times, classes = model_and_times(problem, degrees, 64)
+    class_units, _ = model.solve(times)
+    step_s = model._finish_s(times, np.array(class_units, dtype=float)).max()
+    units = _group_units(classes, class_units, model.total_units, len(model.groups))
+    assert sum(units) == model.total_units
+    leftover = 0
+    for c, (per_unit, fixed) in enumerate(times):
+        for position in classes[c].positions:
+            busy_s = per_unit * units[position] + fixed
+            assert np.all(busy_s <= step_s * (1 + 1e-12))
+            leftover += units[position] - class_units[c]
+    assert leftover > 0  # some group holds a leftover unit: the case in question
 
 
 @pytest.mark.parametrize("degrees", THREE_TYPE_DEGREES)
@@ -360,3 +383,43 @@ def test_the_relaxed_bound_is_none_when_nothing_fits():
     layout = even_layout(problem, groups, heads, 256)
     rates = rates_of(simulated(problem, layout), layout)
     assert relaxed_step_s(problem, groups, heads, 256, rates) is None
+
+
+def test_a_milp_whose_presolve_fails_is_solved_without_it():
+    """On this feasible 32-GPU MILP (a 1-GPU group beside a 7-GPU one, 512K tokens) HiGHS's
+    MILP presolve stops with a solve error; `search._highs.solve` runs it again without the
+    presolve, so branch and bound finds the split and the plan is built. Before, the plan
+    came back infeasible with no rank short of memory, and `out_of_memory` raised."""
+    cluster = Cluster.from_dict(
+        {
+            "name": "l40s-h100-v100",
+            "nodes": [
+                {"name": "n0", "gpu": "L40S", "count": 8},
+                {"name": "n1", "gpu": "H100-SXM", "count": 8},
+                {"name": "n2", "gpu": "V100-32G", "count": 8},
+                {"name": "n3", "gpu": "V100-32G", "count": 8},
+            ],
+            "network": {"inter_node_GBps": 100},
+        }
+    )
+    problem = problem_for(cluster, "llama2-7b", 512 * 1024)
+    degrees = {"L40S": 7, "H100-SXM": 8, "V100-32G": 5}
+    choices = GlobalChoices(degrees, "file", 512, True)
+    groups, heads = grouping(problem, choices)
+    classes = _classes(problem, groups, heads)
+    model = _Model(problem, groups, heads, classes, 512)
+    times = _class_times(classes, group_rates(problem, groups, heads, 512), 512)  # the screen's
+    found = model._branch_and_bound(times)
+    assert found is not None
+    units = np.array(found[0], dtype=float)
+    counts = np.array([len(cls.positions) for cls in classes])
+    assert model.total_units - counts.sum() <= units @ counts <= model.total_units
+    assert isinstance(plan_for_choices(problem, choices), Plan)
+
+
+def test_an_infeasible_plan_with_no_rank_short_of_memory_says_so():
+    from hexiseq.search._evaluate import out_of_memory
+
+    plan = out_of_memory("hexiseq", {})
+    assert "no split" in plan.reason
+    assert "OOM" in out_of_memory("hexiseq", {3: 2**30}).reason
