@@ -24,6 +24,8 @@ class UnitRanges:
         self.ring = np.concatenate(model.ring)
         self.ceilings = ceilings
         self.smallest = np.array([float(cls.size) for cls in model.classes])
+        self.counts = np.array([len(cls.positions) for cls in model.classes], dtype=float)
+        self.total_units = float(model.total_units)
         self.total_tokens = float(model.problem.train.seq_len)
         self.block = 2.0 * model.quantum
 
@@ -54,6 +56,16 @@ class UnitRanges:
         times = np.concatenate([rises.ravel(), falls.ravel(), self.fixed])
         times = np.unique(times[np.isfinite(times) & (times > step_s)])
         return times * (1 + 1e-12)
+
+    def covers(self, step_s: np.ndarray) -> np.ndarray:
+        """[times] whether units inside the ranges at each step time cover the sequence (the
+        leftover units one per group)."""
+        low, high = self.at(step_s)
+        return (
+            np.all(low <= high, axis=1)
+            & (high @ self.counts >= self.total_units - self.counts.sum())
+            & (low @ self.counts <= self.total_units)
+        )
 
     def at(self, step_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(lowest, highest) units per class at each step time: two [times, classes]."""

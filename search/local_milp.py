@@ -617,18 +617,8 @@ class _Model:
         all tried at once; beyond those it is searched (doublings, then SEARCH_POINTS times
         at once per round until BISECTION_TOLERANCE). The units taken at it are trimmed
         (slowest class first) to the sequence's length."""
-        counts = np.array([len(cls.positions) for cls in self.classes], dtype=float)
-        need = self.total_units - counts.sum()  # leftover units go one per group
         ranges = UnitRanges(self, times, np.floor(ceilings + 1e-9))
-
-        def feasible(step_s: np.ndarray) -> np.ndarray:
-            low, high = ranges.at(step_s)
-            return (
-                np.all(low <= high, axis=1)
-                & (high @ counts >= need)
-                & (low @ counts <= self.total_units)
-            )
-
+        feasible, counts = ranges.covers, ranges.counts
         start_s = max(bound_s, 1e-12)
         events = ranges.changes_after(start_s, EVENT_STEPS)  # where the ranges change
         fits = np.flatnonzero(feasible(np.concatenate([[start_s], events])))
@@ -795,13 +785,15 @@ class _Model:
         best, best_s = None, np.inf
         for _ in range(BLOCK_RAISES + 1):
             units = self._fastest_units(times, self._unit_ceilings(x, largest), bound_s)
-            if units is None:
-                break
-            finish_s = float(np.max(self._finish_s(times, units)))
-            if finish_s < best_s:
-                best, best_s = units, finish_s
+            finish_s = np.inf if units is None else float(np.max(self._finish_s(times, units)))
+            if finish_s >= best_s:
+                break  # the raise gained nothing (or nothing fits)
+            best, best_s = units, finish_s
             if not self.multi_group or np.max(units) < largest - 1.0:
                 break  # the block did not bind
+            higher = UnitRanges(self, times, np.floor(self._unit_ceilings(x, largest + 1) + 1e-9))
+            if not higher.covers(np.array([best_s * (1 - 1e-9)]))[0]:
+                break  # a block one unit higher leaves no shorter step
             largest += 1.0
         return best
 
