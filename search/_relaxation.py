@@ -59,7 +59,7 @@ class _Ranges:
         self.fixed = np.concatenate([t[1] for t in times])
         self.ring = np.concatenate(model.ring)
         self.counts = np.array([len(cls.positions) for cls in model.classes], dtype=float)
-        self.smallest = np.array([float(cls.size) for cls in model.classes])
+        self.smallest = np.array([float(cls.size - 1) for cls in model.classes])  # + leftover
         self.total_tokens = float(model.problem.train.seq_len)
         self.block = 2.0 * model.quantum
         self.high_sum = float(model.total_units)
@@ -175,12 +175,12 @@ def memory_rules_out(model) -> bool:
     if rows is None:
         return False  # a negative coefficient: not a shape this test reasons about
     counts = np.array([len(cls.positions) for cls in model.classes], dtype=float)
-    sizes = np.array([float(cls.size) for cls in model.classes])
+    least = np.array([float(cls.size - 1) for cls in model.classes])  # with a leftover unit
     need = model.total_units - float(counts.sum())
     least_block = 0.0
     for _ in range(_BLOCK_ROUNDS):
         caps = rows.caps(least_block)
-        if np.any(caps < sizes * (1 - 1e-9)) or counts @ caps < need * (1 - 1e-9):
+        if np.any(caps < least - 1e-9 * (least + 1)) or counts @ caps < need * (1 - 1e-9):
             return True
         if not model.multi_group:
             break
@@ -210,9 +210,9 @@ class _KindRows:
         self.owner = np.array(owners)
         self.first_kind = np.flatnonzero(np.r_[True, self.owner[1:] != self.owner[:-1]])
         self.ranks = np.array(ranks, dtype=float)
-        sizes = np.array([float(cls.size) for cls in model.classes])[self.owner]
+        least = np.array([float(cls.size - 1) for cls in model.classes])[self.owner]
         with np.errstate(divide="ignore", invalid="ignore"):  # the largest block held
-            held = (room - per_unit * sizes[:, None]) / per_largest
+            held = (room - per_unit * least[:, None]) / per_largest
         self.largest = float(np.min(np.where(per_largest > 0, held, np.inf)))
 
     @classmethod
@@ -302,11 +302,11 @@ def busy_bound_s(model_classes, times, total_units: int) -> float:
     units, each at most what its slowest member computes by T less the leftover unit a group
     may hold, cover the sequence."""
     counts = np.array([len(cls.positions) for cls in model_classes], dtype=float)
-    sizes = np.array([float(cls.size) for cls in model_classes])
-    return _busy_root(counts, sizes, times, float(total_units) - float(counts.sum()))
+    least = np.array([float(cls.size - 1) for cls in model_classes])  # with a leftover unit
+    return _busy_root(counts, least, times, float(total_units) - float(counts.sum()))
 
 
-def _busy_root(counts: np.ndarray, sizes: np.ndarray, times, need: float) -> float:
+def _busy_root(counts: np.ndarray, least: np.ndarray, times, need: float) -> float:
     """The least T with every member's T >= its fixed seconds plus its busy seconds at the
     class's size plus the leftover unit, and sum over classes of count x units (each class
     at most what its slowest member computes by T, less the leftover unit) >= `need`. The
@@ -316,7 +316,7 @@ def _busy_root(counts: np.ndarray, sizes: np.ndarray, times, need: float) -> flo
     per_unit = np.concatenate([t[0] for t in times])
     fixed = np.concatenate([t[1] for t in times])
     owner = np.repeat(np.arange(len(times)), [len(t[0]) for t in times])
-    step_s = max(float(np.max(fixed)), float(np.max(per_unit * (sizes[owner] + 1) + fixed)))
+    step_s = max(float(np.max(fixed)), float(np.max(per_unit * (least[owner] + 1) + fixed)))
     working = per_unit > 0
     if len(np.unique(owner[working])) < len(times):
         return step_s  # a class with no busy work can take any units

@@ -23,7 +23,7 @@ class UnitRanges:
         self.fixed = np.concatenate([t[1] for t in times])
         self.ring = np.concatenate(model.ring)
         self.ceilings = ceilings
-        self.smallest = np.array([float(cls.size) for cls in model.classes])
+        self.smallest = np.array([float(cls.size - 1) for cls in model.classes])  # + leftover
         self.counts = np.array([len(cls.positions) for cls in model.classes], dtype=float)
         self.total_units = float(model.total_units)
         self.total_tokens = float(model.problem.train.seq_len)

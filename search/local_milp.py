@@ -10,15 +10,16 @@ sharded model states. Minimize the step time T subject to
 
     T >= seg_cm·(u_c + 1) + tok_cm·(u_c + 1)/size_c   for every class c and member m
     Σ_c n_c·u_c <= S/2q <= Σ_c n_c·(u_c + 1)           (leftover units go one per group)
-    Σ_c n_c·Σ_m f_cm = 1,   u_c + 1 <= B
+    Σ_c n_c·Σ_m f_cm = 1,   u_c + 1 <= B,   u_c >= size_c - 1
     memory_cm(tokens, segment, B, f_cm) <= 95 % of capacity (every phase of the memory model)
 
 Time and memory rows both count each group's possible extra unit (memory also each member's
 rounding, +1 unit), so the integer layout built afterwards runs within the step time solved
-for and fits. (Time rows without the extra unit let a slow card's leftover unit run past it:
-on 64 GPUs of 8 types at 1M tokens, one V100 unit is 7.7 s of a 50 s step; pricing it made
-the best plans of those searches 3 % faster and the screen's estimates 4-5 % closer to the
-simulation.) The time coefficients are the simulator's own
+for and fits; a class at u_c = size_c - 1 has every group take a leftover unit, so each
+member holds one (`_group_units`). (Time rows without the extra unit let a slow card's
+leftover unit run past the step: on 64 GPUs of 8 types at 1M tokens one V100 unit is 7.7 s of
+a 50 s step; pricing it made the best plans of those searches 3 % faster and the screen's
+estimates 4-5 % closer to the simulation.) The time coefficients are the simulator's own
 per-rank times divided by the loads that drive them (a secant through zero at the current
 operating point), so the MILP and the simulator agree on what each device does; `solve_local`
 re-linearizes at the MILP's answer and solves again. The memory model is affine in the loads
@@ -355,16 +356,37 @@ def _even_units(groups: list[Group], total: int) -> list[int]:
 def _group_units(
     classes: list[_Class], class_units: list[int], total: int, count: int
 ) -> list[int]:
-    """Each group its class's units; the leftover units one per group, largest classes first
-    (the time rows price every group with one more: groups left without run faster)."""
+    """Each group its class's units and the leftover units one per group: first to every
+    group of a class at one unit below its size (each member needs a unit), then the
+    largest classes first. The time rows price every group with one unit more, so a class
+    may give up a unit (`_with_room_for_minimum`) without slowing the step."""
+    class_units = _with_room_for_minimum(classes, list(class_units), total)
     units = [0] * count
     for cls, value in zip(classes, class_units):
         for position in cls.positions:
             units[position] = value
-    order = sorted(range(count), key=lambda p: (-units[p], p))
+    size_of = {p: cls.size for cls in classes for p in cls.positions}
+    order = sorted(range(count), key=lambda p: (units[p] >= size_of[p], -units[p], p))
     for position in order[: total - sum(units)]:
         units[position] += 1
     return units
+
+
+def _with_room_for_minimum(classes: list[_Class], class_units: list[int], total: int) -> list:
+    """`class_units` with enough leftover for every group below its size: while there is
+    not, the largest class above its minimum takes one unit less per group (its groups then
+    hold no more than the time rows priced). There always is such a class: were every class
+    at its minimum, every group would have a leftover unit."""
+    counts = [len(cls.positions) for cls in classes]
+
+    def short() -> bool:
+        below = sum(n for cls, n, u in zip(classes, counts, class_units) if u < cls.size)
+        return total - sum(n * u for n, u in zip(counts, class_units)) < below
+
+    while short():
+        spare = [c for c, cls in enumerate(classes) if class_units[c] >= cls.size]
+        class_units[max(spare, key=lambda c: (class_units[c], -c))] -= 1
+    return class_units
 
 
 def _rank_fractions(groups, classes: list[_Class], fractions: list[list[float]]) -> tuple:
@@ -820,7 +842,7 @@ class _Model:
         lower = np.zeros(self.size + extra)
         upper = np.full(self.size + extra, np.inf)
         for c, cls in enumerate(self.classes):
-            lower[self.u[c]] = cls.size
+            lower[self.u[c]] = cls.size - 1  # its groups then all take a leftover unit
             upper[self.f[c]] = 1.0
         return lower, upper
 

@@ -423,3 +423,21 @@ def test_an_infeasible_plan_with_no_rank_short_of_memory_says_so():
     plan = out_of_memory("hexiseq", {})
     assert "no split" in plan.reason
     assert "OOM" in out_of_memory("hexiseq", {3: 2**30}).reason
+
+
+def test_a_class_at_one_unit_below_its_size_gets_a_leftover_unit_in_every_group():
+    """A class may take size - 1 units (the time rows price its groups with one more): each
+    of its groups then takes a leftover unit, so every member holds one. Where the leftover
+    is too short for that, the largest class gives up a unit per group, which the time rows
+    priced anyway."""
+    from hexiseq.search.local_milp import _Class
+
+    fast = _Class(positions=(0, 1), size=1, heads=(32,))
+    slow = _Class(positions=(2, 3, 4), size=2, heads=(16, 16))
+    # 10 + 10 + 3 x 1 = 23 of 24 units: one leftover, three slow groups below their size
+    units = _group_units([fast, slow], [10, 1], total=24, count=5)
+    assert sum(units) == 24
+    assert units[2:] == [2, 2, 2]  # every slow group at its size
+    assert all(u in (9, 10, 11) for u in units[:2])  # the fast groups gave room, <= priced
+    # with room to spare, the slow groups still come first
+    assert _group_units([fast, slow], [9, 1], total=25, count=5) == [10, 9, 2, 2, 2]
