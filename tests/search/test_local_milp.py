@@ -21,7 +21,7 @@ from hexiseq.search.local_milp import (
     relaxed_step_s,
     solve_local,
 )
-from hexiseq.search.screen import group_rates, grouping
+from hexiseq.search.screen import grouping
 
 
 def problem_for(cluster, model: str, seq_len: int, checkpointing: bool = True) -> Problem:
@@ -383,38 +383,6 @@ def test_the_relaxed_bound_is_none_when_nothing_fits():
     layout = even_layout(problem, groups, heads, 256)
     rates = rates_of(simulated(problem, layout), layout)
     assert relaxed_step_s(problem, groups, heads, 256, rates) is None
-
-
-def test_a_milp_whose_presolve_fails_is_solved_without_it():
-    """On this feasible 32-GPU MILP (a 1-GPU group beside a 7-GPU one, 512K tokens) HiGHS's
-    MILP presolve stops with a solve error; `search._highs.solve` runs it again without the
-    presolve, so branch and bound finds the split and the plan is built. Before, the plan
-    came back infeasible with no rank short of memory, and `out_of_memory` raised."""
-    cluster = Cluster.from_dict(
-        {
-            "name": "l40s-h100-v100",
-            "nodes": [
-                {"name": "n0", "gpu": "L40S", "count": 8},
-                {"name": "n1", "gpu": "H100-SXM", "count": 8},
-                {"name": "n2", "gpu": "V100-32G", "count": 8},
-                {"name": "n3", "gpu": "V100-32G", "count": 8},
-            ],
-            "network": {"inter_node_GBps": 100},
-        }
-    )
-    problem = problem_for(cluster, "llama2-7b", 512 * 1024)
-    degrees = {"L40S": 7, "H100-SXM": 8, "V100-32G": 5}
-    choices = GlobalChoices(degrees, "file", 512, True)
-    groups, heads = grouping(problem, choices)
-    classes = _classes(problem, groups, heads)
-    model = _Model(problem, groups, heads, classes, 512)
-    times = _class_times(classes, group_rates(problem, groups, heads, 512), 512)  # the screen's
-    found = model._branch_and_bound(times)
-    assert found is not None
-    units = np.array(found[0], dtype=float)
-    counts = np.array([len(cls.positions) for cls in classes])
-    assert model.total_units - counts.sum() <= units @ counts <= model.total_units
-    assert isinstance(plan_for_choices(problem, choices), Plan)
 
 
 def test_an_infeasible_plan_with_no_rank_short_of_memory_says_so():
