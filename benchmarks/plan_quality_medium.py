@@ -33,12 +33,11 @@ import time
 from dataclasses import dataclass
 
 from _results import cpu_seconds, replace_section
-from plan_quality import describe_plan
+from plan_quality import GPU_TYPES, describe_plan
 from planner_scaling import build_cluster
 
 from hexiseq import Cluster, InfeasibleError, plan_search
 
-GPU_TYPES = ("H100-SXM", "A100-80G", "A100-40G", "L40S", "RTX-4090", "V100-32G", "H200")
 MODELS = ("llama3-8b", "llama2-7b", "llama3.2-3b")
 SEQ_LENS = ("1M", "512K", "256K", "128K")
 SCALING_CELLS = ((32, 1), (32, 2), (32, 4), (32, 8), (64, 1), (64, 2), (64, 4), (64, 8))
@@ -62,10 +61,8 @@ class MediumResult:
     seq_len: str
     default_tokens_per_s: float
     default_plan: str
-    default_s: float
     searched_tokens_per_s: float
     searched_plan: str
-    searched_s: float
 
     @property
     def gap(self) -> float:
@@ -113,23 +110,18 @@ def cases(random_count: int = RANDOM_COUNT, seed: int = SEED) -> list[MediumCase
 def run_case(case: MediumCase, trials: int) -> MediumResult | None:
     """Both searches at the longest length a plan fits (None: none fits)."""
     for seq_len in case.seq_lens:
-        started = time.perf_counter()
         try:
             default = plan_search(case.cluster, case.model, seq_len).best
         except InfeasibleError:
             continue
-        default_s = time.perf_counter() - started
-        started = time.perf_counter()
         searched = plan_search(case.cluster, case.model, seq_len, n_trials=trials, seed=0).best
         return MediumResult(
             case,
             seq_len,
             default.predicted.tokens_per_s,
             describe_plan(default),
-            default_s,
             searched.predicted.tokens_per_s,
             describe_plan(searched),
-            time.perf_counter() - started,
         )
     return None
 

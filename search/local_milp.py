@@ -19,13 +19,13 @@ for and fits; a class at u_c = size_c - 1 has every group take a leftover unit, 
 member holds one (`_group_units`). (Time rows without the extra unit let a slow card's
 leftover unit run past the step: on 64 GPUs of 8 types at 1M tokens one V100 unit is 7.7 s of
 a 50 s step; pricing it made the best plans of those searches 3 % faster and the screen's
-estimates 4-5 % closer to the simulation.) The time coefficients are the simulator's own
-per-rank times divided by the loads that drive them (a secant through zero at the current
-operating point), so the MILP and the simulator agree on what each device does; `solve_local`
-re-linearizes at the MILP's answer and solves again. The memory model is affine in the loads
-(`costmodel.memory.rank_memory`), so its coefficients are exact. A second MILP keeps the step
-time within `TIME_TOLERANCE` of the optimum and maximizes the fullest device's headroom. The
-simulator then scores the result exactly, ring waits included.
+estimates of its candidates 3-10 % closer to the simulation.) The time coefficients are the
+simulator's own per-rank times divided by the loads that drive them (a secant through zero at
+the current operating point), so the MILP and the simulator agree on what each device does;
+`solve_local` re-linearizes at the MILP's answer and solves again. The memory model is affine in
+the loads (`costmodel.memory.rank_memory`), so its coefficients are exact. A second MILP keeps
+the step time within `TIME_TOLERANCE` of the optimum and maximizes the fullest device's
+headroom. The simulator then scores the result exactly, ring waits included.
 """
 
 from __future__ import annotations
@@ -796,6 +796,7 @@ class _Model:
         return ceilings
 
     def _least_block(self, x) -> float:
+        """One unit above `x`'s largest class rounded down, plus its possible leftover unit."""
         return float(np.floor(np.max(x[self.u]) + 1e-9) + 2.0)
 
     def _fastest_within(self, times, x, bound_s: float) -> np.ndarray | None:
