@@ -114,8 +114,7 @@ def solve_local(
         class_units = model.fastest_units(times)
         if class_units is None:
             break  # the full solve below says what is missing (or branches and bounds)
-        units = _group_units(classes, class_units, total_units, len(groups))
-        layout = _layout(problem, groups, heads, quantum, units)
+        layout = _laid_out(problem, groups, heads, quantum, classes, class_units)
         fresh = _time_coefficients(problem, layout, classes, quantum)
         if _same_times(times, fresh):
             break  # the simulation agrees with the secants: solving again changes nothing
@@ -124,9 +123,34 @@ def solve_local(
     if found is None:
         return LocalSolution(None, missing_bytes=model.missing_bytes())
     class_units, class_shares = found
-    units = _group_units(classes, class_units, total_units, len(groups))
-    solved = _layout(problem, groups, heads, quantum, units)
+    solved = _laid_out(problem, groups, heads, quantum, classes, class_units)
     return LocalSolution(solved, lambda: _rank_fractions(groups, classes, class_shares()))
+
+
+def first_simulated_s(
+    problem: Problem,
+    groups: list[Group],
+    heads: list[list[int]],
+    quantum: int,
+    rates: list[GroupRates],
+) -> float | None:
+    """The simulated step seconds of the first split `solve_local` lays out (the fastest
+    integer units under `rates`, even state shares): the simulation a full evaluation starts
+    from, kept for it. None where nothing fits."""
+    classes = _classes(problem, groups, heads)
+    model = _model_of(problem, groups, heads, quantum)
+    class_units = model.fastest_units(_class_times(classes, rates, quantum))
+    if class_units is None:
+        return None
+    layout = _laid_out(problem, groups, heads, quantum, classes, class_units)
+    return simulated(problem, layout).step_time_s
+
+
+def _laid_out(problem, groups, heads, quantum, classes, class_units) -> AttentionLayout:
+    """The layout of `class_units` per class, the leftover units one per group."""
+    total_units = problem.train.seq_len // (2 * quantum)
+    units = _group_units(classes, class_units, total_units, len(groups))
+    return _layout(problem, groups, heads, quantum, units)
 
 
 def _times_key(times: list) -> tuple:
@@ -539,7 +563,13 @@ class _Model:
     def fastest_units(self, times) -> list[int] | None:
         """Integer units of the fastest split (`_without_lp` where memory does not bind, else
         for the LP relaxation's state shares; no headroom stage): where the next
-        linearization is taken. None if nothing fits."""
+        linearization is taken, once per groups, quantum and times in a search (the polish's
+        ranking, `first_simulated_s`, and the full evaluation ask for the same). None if
+        nothing fits."""
+        key = (*self._key("fastest units"), _times_key(times))
+        return self.problem.memo(key, lambda: self._new_fastest_units(times))
+
+    def _new_fastest_units(self, times) -> list[int] | None:
         units = self._without_lp(times)
         if units is not None:
             return [int(u) for u in units]

@@ -7,7 +7,9 @@ and moves to the fastest while that beats the current plan. Ring layouts, which 
 cannot tell apart, are evaluated first, once per distinct ring (up to rotation and swaps of
 nodes that look alike, `_ring_shape`) and quantum: every ring at the current quantum and the
 current ring at the others, then the regroupings the screen (`search.screen`) estimates
-faster than the current plan runs, the best POLISH_SCREENED of them; once those are scored,
+faster than the current plan runs: the POLISH_PRERANKED best estimated, re-ranked by the
+simulation of their first split (`screen.simulated_first_s`, which sees the ring's waits that
+the estimate misses), the best POLISH_SCREENED of those; once those are scored,
 the other quanta of the POLISH_RING_FINALISTS rings fastest at the current quantum (an order
 may win only at another quantum). Full evaluations are capped by `polish_evaluations` (they
 cost about in proportion to the devices) and by the caller's deadline. The polish scores
@@ -33,18 +35,35 @@ from hexiseq.search.screen import (
     fastest_estimated,
     grouping,
     resolved_quantum,
+    simulated_first_s,
+    tie_key,
     with_checkpointing,
 )
 from hexiseq.search.shortlist import screen_degrees
 
-POLISH_MAX_EVALUATIONS = 16
+POLISH_MAX_EVALUATIONS = 12
 POLISH_DEVICE_EVALUATIONS = 384
 """The polish evaluates at most POLISH_MAX_EVALUATIONS neighbours in full, and
 POLISH_DEVICE_EVALUATIONS / devices on larger clusters (none from 512 devices up). With the
-ring finalists (below), 16 keeps all 20 plan_quality clusters within 1 % of the exhaustive
-optimum, as 24 did; 12 leaves two out (3.8 % short)."""
+regroupings re-ranked by simulation (below), 12 keeps plan_quality's draw and four held-out
+draws (100 clusters of up to 12 GPUs) at least as close to the exhaustive optimum as 16 did
+without it. 320 devices' worth (2 evaluations at 128 GPUs) cost mix4-128 / llama-30b 1.7 %."""
 POLISH_STARTS = 3
-POLISH_SCREENED = 4
+POLISH_PRERANKED = 5
+POLISH_SCREENED = 2
+"""Regroupings estimated fastest (POLISH_PRERANKED) are simulated at their first split, and
+the POLISH_SCREENED fastest there are evaluated in full. The estimate ranks neighbours
+poorly: on plan_quality #0 its Spearman correlation with the simulated step over the 36 HP
+mixes is 0.23 (the estimates span 4 %, the steps 63 %: the ring's waits). Over 219 polish
+batches (10 planner-scaling cells and the 100 plan-quality clusters of 5 draws) the best two
+of five by first simulation missed the best of the eight best estimated in 1 batch; the
+estimate's best four, evaluated in full before, missed it in 5. Four instead of five missed
+it in 6, and plan_quality #0 by 2.3 %."""
+POLISH_FIRST_SLACK = 1.2
+"""A regrouping whose first simulation is over this x the current plan's step is not
+evaluated in full. Of those 720 regroupings, scored both ways, the full solve's step was at
+least 0.91x the first simulation's in 95 % (0.52x at the least), and every one that beat
+the current plan had simulated at most 1.17x its step at the first split."""
 POLISH_RING_FINALISTS = 2
 """Rings evaluated at every quantum: the fastest at the current one (the current ring among
 them where it is). On 18 planner-scaling cells of 16-128 GPUs and the 20 plan_quality
@@ -154,7 +173,8 @@ def _worth_evaluating(
     current_s = step_s(current_plan)
 
     def faster(count: int) -> list[GlobalChoices]:
-        return fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)[:count]
+        found = fastest_estimated(problem, regrouped, POLISH_PRERANKED, below_s=current_s)
+        return _first_simulated_best(problem, found, current_s)[:count]
 
     first = [c for (ring, _), c in rings.items() if ring == here and not is_scored(c)]
     first += [c for (r, q), c in rings.items() if r != here and q == quantum and not is_scored(c)]
@@ -169,6 +189,20 @@ def _worth_evaluating(
         return [c for (r, q), c in rings.items() if r in finalists and not is_scored(c)]
 
     return first, faster, second
+
+
+def _first_simulated_best(
+    problem: Problem, found: list[GlobalChoices], current_s: float
+) -> list[GlobalChoices]:
+    """`found` by the simulated step of its first split (`screen.simulated_first_s`; ties
+    keep the estimate's order), the best POLISH_SCREENED, without those over
+    POLISH_FIRST_SLACK x `current_s`. One whose first split cannot be laid out (the full
+    solve may still find one, by branch and bound) stays, last."""
+    first_s = {c.key(): simulated_first_s(problem, c) for c in found}
+    ranked = sorted(found, key=lambda c: tie_key(first_s[c.key()]))
+    slack_s = current_s * POLISH_FIRST_SLACK
+    kept = [c for c in ranked if first_s[c.key()] <= slack_s or math.isinf(first_s[c.key()])]
+    return kept[:POLISH_SCREENED]
 
 
 def step_s(plan: Plan | InfeasiblePlan) -> float:

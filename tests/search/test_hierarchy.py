@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import optuna
 import pytest
@@ -390,3 +391,25 @@ def test_polish_tries_every_ring_at_this_quantum_and_the_fastest_rings_at_every_
     assert len(others) > POLISH_RING_FINALISTS  # the finalists leave some rings out
     assert {_ring_key(problem, c) for c in second} == {k for k in expected if k[1] != quantum}
     assert len(set(keys) | {_ring_key(problem, c) for c in second}) == len(keys) + len(second)
+
+
+def test_polish_evaluates_the_regroupings_whose_first_simulation_is_fastest(monkeypatch):
+    """Of the regroupings estimated fastest, the polish evaluates in full those whose first
+    split simulates fastest, none over POLISH_FIRST_SLACK x the current step, and one whose
+    first split cannot be laid out last (branch and bound may still find it a split)."""
+    from hexiseq.search import polish as polish_module
+
+    first_s = {1: 3.0, 2: 1.0, 3: math.inf, 4: 2.5, 5: 1.5, 6: 2.4}
+    found = [GlobalChoices({"H100-SXM": degree}) for degree in first_s]
+
+    def simulated(problem, choices):
+        return first_s[choices.hp_degrees["H100-SXM"]]
+
+    monkeypatch.setattr(polish_module, "simulated_first_s", simulated)
+    monkeypatch.setattr(polish_module, "POLISH_FIRST_SLACK", 1.2)
+    monkeypatch.setattr(polish_module, "POLISH_SCREENED", 4)
+    picked = polish_module._first_simulated_best(None, found, current_s=2.0)
+    assert [c.hp_degrees["H100-SXM"] for c in picked] == [2, 5, 6, 3]
+    monkeypatch.setattr(polish_module, "POLISH_SCREENED", 2)
+    picked = polish_module._first_simulated_best(None, found, current_s=2.0)
+    assert [c.hp_degrees["H100-SXM"] for c in picked] == [2, 5]

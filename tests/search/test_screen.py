@@ -11,7 +11,7 @@ from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
-from hexiseq.search.screen import estimate_s
+from hexiseq.search.screen import estimate_s, simulated_first_s
 from hexiseq.search.shortlist import HOPELESS_RATIO, screen_degrees, shortlist
 
 
@@ -177,3 +177,21 @@ def test_the_picks_built_ahead_are_the_short_lists_in_its_order():
     keys = [c.key() for c in given]
     assert keys[0] == found[0].key() and len(keys) > 2
     assert [c.key() for c in found if c.key() in keys] == keys
+
+
+def test_the_first_simulation_is_the_one_the_full_evaluation_starts_from():
+    """`simulated_first_s` simulates the split the local stage lays out first (the estimate
+    misses the ring's waits, the simulation does not), and a full evaluation of the same
+    candidate reuses that simulation instead of running it again."""
+    choices = GlobalChoices({"H100-SXM": 4, "A100-80G": 2}, "bandwidth", 128, True)
+    alone = paper_problem()
+    plan = plan_for_choices(alone, choices)
+    ranked = paper_problem()
+    first_s = simulated_first_s(ranked, choices)
+    assert plan_for_choices(ranked, choices).predicted.step_time_s == plan.predicted.step_time_s
+    # the same simulations as without the ranking: it simulated the split solve_local lays
+    # out first, not another one
+    assert simulations(ranked) == simulations(alone)
+    # the full solve starts from that split and does not end slower than it
+    assert estimate_s(ranked, choices) < first_s
+    assert plan.predicted.step_time_s <= first_s * (1 + 1e-9)
