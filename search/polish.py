@@ -7,9 +7,10 @@ and moves to the fastest while that beats the current plan. Ring layouts, which 
 cannot tell apart, are evaluated first, once per distinct ring (up to rotation and swaps of
 nodes that look alike, `_ring_shape`) and quantum: every ring at the current quantum and the
 current ring at the others, then the regroupings the screen (`search.screen`) estimates
-faster than the current plan runs: the POLISH_PRERANKED best estimated, re-ranked by the
-simulation of their first split (`screen.simulated_first_s`, which sees the ring's waits that
-the estimate misses), the best POLISH_SCREENED of those; once those are scored,
+faster than the current plan runs, the best POLISH_SCREENED of them (on clusters up to
+POLISH_RERANKED_UP_TO devices the POLISH_PRERANKED best estimated, re-ranked by the
+simulation of their first split, `screen.simulated_first_s`, which sees the ring's waits
+that the estimate misses, and the best POLISH_RERANKED of those); once those are scored,
 the other quanta of the POLISH_RING_FINALISTS rings fastest at the current quantum (an order
 may win only at another quantum). Full evaluations are capped by `polish_evaluations` (they
 cost about in proportion to the devices) and by the caller's deadline. The polish scores
@@ -34,6 +35,7 @@ from hexiseq.search.greedy import (
 from hexiseq.search.screen import (
     fastest_estimated,
     grouping,
+    is_first_simulated,
     resolved_quantum,
     simulated_first_s,
     tie_key,
@@ -41,29 +43,41 @@ from hexiseq.search.screen import (
 )
 from hexiseq.search.shortlist import screen_degrees
 
-POLISH_MAX_EVALUATIONS = 12
+POLISH_MAX_EVALUATIONS = 16
 POLISH_DEVICE_EVALUATIONS = 384
 """The polish evaluates at most POLISH_MAX_EVALUATIONS neighbours in full, and
 POLISH_DEVICE_EVALUATIONS / devices on larger clusters (none from 512 devices up). With the
-regroupings re-ranked by simulation (below), 12 keeps plan_quality's draw and four held-out
-draws (100 clusters of up to 12 GPUs) at least as close to the exhaustive optimum as 16 did
-without it. 320 devices' worth (2 evaluations at 128 GPUs) cost mix4-128 / llama-30b 1.7 %."""
+ring finalists and the re-ranking (below), 16 keeps all 20 plan_quality clusters within 1 %
+of the exhaustive optimum (19 without the re-ranking), and on 8 other draws of 20 (seeds
+2025-2032) as many within 1 % as without it, with no larger worst gap. The re-ranking's
+simulations count against it (FIRST_SIMULATION_COST); 14 left seeds 2025 and 2029 one
+cluster more short of 1 % each."""
 POLISH_STARTS = 3
+POLISH_SCREENED = 4
+POLISH_RERANKED_UP_TO = 16
 POLISH_PRERANKED = 5
-POLISH_SCREENED = 2
-"""Regroupings estimated fastest (POLISH_PRERANKED) are simulated at their first split, and
-the POLISH_SCREENED fastest there are evaluated in full. The estimate ranks neighbours
+POLISH_RERANKED = 2
+"""On clusters up to POLISH_RERANKED_UP_TO devices the regroupings estimated fastest
+(POLISH_PRERANKED) are simulated at their first split, and the POLISH_RERANKED fastest there
+are evaluated in full; on larger ones the POLISH_SCREENED best estimated. The estimate ranks
+neighbours
 poorly: on plan_quality #0 its Spearman correlation with the simulated step over the 36 HP
 mixes is 0.23 (the estimates span 4 %, the steps 63 %: the ring's waits). Over 219 polish
 batches (10 planner-scaling cells and the 100 plan-quality clusters of 5 draws) the best two
 of five by first simulation missed the best of the eight best estimated in 1 batch; the
 estimate's best four, evaluated in full before, missed it in 5. Four instead of five missed
-it in 6, and plan_quality #0 by 2.3 %."""
+it in 6, and plan_quality #0 by 2.3 %. On 24-64 GPUs (plan_quality_medium's 20 clusters) and
+the 128-GPU planner cells the re-ranking found the very same plans, and the simulations it
+runs in this process while the helper builds rings cost 8-16 % of a 32-GPU search."""
 POLISH_FIRST_SLACK = 1.2
 """A regrouping whose first simulation is over this x the current plan's step is not
 evaluated in full. Of those 720 regroupings, scored both ways, the full solve's step was at
 least 0.91x the first simulation's in 95 % (0.52x at the least), and every one that beat
 the current plan had simulated at most 1.17x its step at the first split."""
+FIRST_SIMULATION_COST = 0.5
+"""A re-ranking simulation of a regrouping that is not then evaluated, in full evaluations
+of the polish's cap: it lays out and simulates one split, where an evaluation (of 16 GPUs)
+also solves the MILP and builds the plan, in about twice the time."""
 POLISH_RING_FINALISTS = 2
 """Rings evaluated at every quantum: the fastest at the current one (the current ring among
 them where it is). On 18 planner-scaling cells of 16-128 GPUs and the 20 plan_quality
@@ -94,20 +108,22 @@ def polish(
     started before `more` finds the rest: `Objective.plans`), `is_scored` says whether it
     already has one; `deadline` is a perf_counter time or None."""
     scored: list[Scored] = []
+    left = float(evaluations)  # a re-ranking simulation costs FIRST_SIMULATION_COST of one
     for current, score in starts[:POLISH_STARTS]:
-        while evaluations > 0 and (deadline is None or time.perf_counter() < deadline):
+        while left >= 1 and (deadline is None or time.perf_counter() < deadline):
             current_plan = plan_of(current)
             fresh = neighbours(problem, current, quanta, current_plan)
+            simulations = [0]
             rings, faster, later = _worth_evaluating(
-                problem, current, current_plan, fresh, is_scored
+                problem, current, current_plan, fresh, is_scored, simulations
             )
-            batch = rings[:evaluations]
-            room = min(POLISH_SCREENED, evaluations - len(batch))
+            batch = rings[: int(left)]
+            room = min(_regrouped_per_move(problem), int(left) - len(batch))
             # the screen is asked only where there is room, while the rings are built
             batch, plans = plans_of(batch, partial(faster, room) if room > 0 else None, room)
-            evaluations -= len(batch)
-            second, second_plans = plans_of(later(plan_of)[:evaluations])
-            evaluations -= len(second)
+            left -= len(batch) + FIRST_SIMULATION_COST * simulations[0]
+            second, second_plans = plans_of(later(plan_of)[: max(0, int(left))])
+            left -= len(second)
             plans += second_plans
             batch += second
             if not batch:
@@ -119,6 +135,12 @@ def polish(
                 break
             current, score = batch[top], speeds[top]
     return scored
+
+
+def _regrouped_per_move(problem: Problem) -> int:
+    """How many regrouped neighbours a move evaluates in full at most."""
+    small = problem.cluster.world_size <= POLISH_RERANKED_UP_TO
+    return POLISH_RERANKED if small else POLISH_SCREENED
 
 
 def throughput(plan: Plan | InfeasiblePlan) -> float:
@@ -149,16 +171,18 @@ def _worth_evaluating(
     current_plan: Plan | InfeasiblePlan,
     found: list[GlobalChoices],
     is_scored: Callable[[GlobalChoices], bool],
+    simulations: list[int] | None = None,
 ) -> tuple[list[GlobalChoices], Callable[[int], list], Callable[[Callable], list]]:
     """The neighbours `found` worth evaluating, in two stages. First the ring layouts, which
     the screen cannot tell apart (they leave the loads the search settled on): the current
     ring at the other quanta, and every other ring at the current quantum; then (a function
     of how many: the screen's estimates are not asked for where the rings use up the
     evaluations) the regrouped neighbours estimated faster than the current plan runs, the
-    best up to POLISH_SCREENED.
+    best up to `_regrouped_per_move` (re-ranked by simulation on small clusters).
     Second (given `plan_of`, once the first are scored): the other quanta of the
     POLISH_RING_FINALISTS rings fastest at the current quantum. Neighbours already scored
-    are left out of both."""
+    are left out of both. `simulations[0]` counts the re-ranking's simulations of
+    regroupings that are not then evaluated (the others' start their evaluation)."""
     here, quantum = _ring_key(problem, current)
     rings: dict[tuple, GlobalChoices] = {}  # one neighbour per distinct ring and quantum,
     for choices in found:  # a scored one where there is one (its plan is known)
@@ -173,8 +197,16 @@ def _worth_evaluating(
     current_s = step_s(current_plan)
 
     def faster(count: int) -> list[GlobalChoices]:
+        if problem.cluster.world_size > POLISH_RERANKED_UP_TO:
+            return fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)[
+                :count
+            ]
         found = fastest_estimated(problem, regrouped, POLISH_PRERANKED, below_s=current_s)
-        return _first_simulated_best(problem, found, current_s)[:count]
+        fresh = {c.key() for c in found if not is_first_simulated(problem, c)}
+        chosen = _first_simulated_best(problem, found, current_s)[:count]
+        if simulations is not None:
+            simulations[0] += len(fresh - {c.key() for c in chosen})
+        return chosen
 
     first = [c for (ring, _), c in rings.items() if ring == here and not is_scored(c)]
     first += [c for (r, q), c in rings.items() if r != here and q == quantum and not is_scored(c)]
@@ -195,14 +227,14 @@ def _first_simulated_best(
     problem: Problem, found: list[GlobalChoices], current_s: float
 ) -> list[GlobalChoices]:
     """`found` by the simulated step of its first split (`screen.simulated_first_s`; ties
-    keep the estimate's order), the best POLISH_SCREENED, without those over
+    keep the estimate's order), the best POLISH_RERANKED, without those over
     POLISH_FIRST_SLACK x `current_s`. One whose first split cannot be laid out (the full
     solve may still find one, by branch and bound) stays, last."""
     first_s = {c.key(): simulated_first_s(problem, c) for c in found}
     ranked = sorted(found, key=lambda c: tie_key(first_s[c.key()]))
     slack_s = current_s * POLISH_FIRST_SLACK
     kept = [c for c in ranked if first_s[c.key()] <= slack_s or math.isinf(first_s[c.key()])]
-    return kept[:POLISH_SCREENED]
+    return kept[:POLISH_RERANKED]
 
 
 def step_s(plan: Plan | InfeasiblePlan) -> float:

@@ -235,6 +235,11 @@ def simulated_first_s(problem: Problem, choices: GlobalChoices) -> float:
     return problem.memo(key, lambda: _simulated_first_s(problem, choices))
 
 
+def is_first_simulated(problem: Problem, choices: GlobalChoices) -> bool:
+    """Whether `simulated_first_s(problem, choices)` is known already."""
+    return ("first simulated", choices.key()) in problem.cache
+
+
 def _simulated_first_s(problem: Problem, choices: GlobalChoices) -> float:
     priced = _priced(problem, choices)
     step_s = None if priced is None else first_simulated_s(*priced)

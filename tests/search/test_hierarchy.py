@@ -308,11 +308,22 @@ def test_polish_asks_the_screen_only_where_the_rings_leave_evaluations(monkeypat
             None,
         )
 
+    simulated = []
+    first_s = polish_module.simulated_first_s
+    monkeypatch.setattr(
+        polish_module, "simulated_first_s", lambda p, c: simulated.append(c) or first_s(p, c)
+    )
     few = polished(2)
     assert len(few) == 2 and not screened  # two rings: the screen was not asked
     assert all(c.hp_degrees == start.hp_degrees for c, _ in few)
+    assert not simulated
     polished(40)
     assert screened and all(screened)  # room left: the regrouped neighbours are screened
+    assert simulated  # and on 8 devices the best estimated are re-ranked by simulation
+    simulated.clear()
+    monkeypatch.setattr(polish_module, "POLISH_RERANKED_UP_TO", 4)
+    polished(40)
+    assert not simulated  # on more devices than that, the estimate alone ranks them
 
 
 def test_polish_tells_ring_orders_apart_only_where_a_node_differs():
@@ -407,9 +418,9 @@ def test_polish_evaluates_the_regroupings_whose_first_simulation_is_fastest(monk
 
     monkeypatch.setattr(polish_module, "simulated_first_s", simulated)
     monkeypatch.setattr(polish_module, "POLISH_FIRST_SLACK", 1.2)
-    monkeypatch.setattr(polish_module, "POLISH_SCREENED", 4)
+    monkeypatch.setattr(polish_module, "POLISH_RERANKED", 4)
     picked = polish_module._first_simulated_best(None, found, current_s=2.0)
     assert [c.hp_degrees["H100-SXM"] for c in picked] == [2, 5, 6, 3]
-    monkeypatch.setattr(polish_module, "POLISH_SCREENED", 2)
+    monkeypatch.setattr(polish_module, "POLISH_RERANKED", 2)
     picked = polish_module._first_simulated_best(None, found, current_s=2.0)
     assert [c.hp_degrees["H100-SXM"] for c in picked] == [2, 5]
