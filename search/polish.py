@@ -59,25 +59,27 @@ POLISH_PRERANKED = 5
 POLISH_RERANKED = 2
 """On clusters up to POLISH_RERANKED_UP_TO devices the regroupings estimated fastest
 (POLISH_PRERANKED) are simulated at their first split, and the POLISH_RERANKED fastest there
-are evaluated in full; on larger ones the POLISH_SCREENED best estimated. The estimate ranks
-neighbours
-poorly: on plan_quality #0 its Spearman correlation with the simulated step over the 36 HP
-mixes is 0.23 (the estimates span 4 %, the steps 63 %: the ring's waits). Over 219 polish
-batches (10 planner-scaling cells and the 100 plan-quality clusters of 5 draws) the best two
-of five by first simulation missed the best of the eight best estimated in 1 batch; the
-estimate's best four, evaluated in full before, missed it in 5. Four instead of five missed
-it in 6, and plan_quality #0 by 2.3 %. On 24-64 GPUs (plan_quality_medium's 20 clusters) and
-the 128-GPU planner cells the re-ranking found the very same plans, and the simulations it
-runs in this process while the helper builds rings cost 8-16 % of a 32-GPU search."""
+are evaluated in full; on larger ones the POLISH_SCREENED best estimated. The estimate
+ranks neighbours poorly: on plan_quality #0 its Spearman correlation with the simulated step
+over the 36 HP mixes is 0.23 (the estimates span 4 %, the steps 63 %: the ring's waits).
+Over 219 polish batches (10 planner-scaling cells and the 100 plan-quality clusters of 5
+draws) the best two of five by first simulation missed the best of the eight best estimated
+in 1 batch; the estimate's best four, evaluated in full before, missed it in 5. Four instead
+of five missed it in 6, and plan_quality #0 by 2.3 %. On 24-64 GPUs (plan_quality_medium's
+20 clusters) and the 128-GPU planner cells the re-ranking found the very same plans, while
+its simulations, run in this process as the helper builds rings, cost 8-16 % of a 32-GPU
+search: there the estimate alone ranks them."""
 POLISH_FIRST_SLACK = 1.2
 """A regrouping whose first simulation is over this x the current plan's step is not
-evaluated in full. Of those 720 regroupings, scored both ways, the full solve's step was at
-least 0.91x the first simulation's in 95 % (0.52x at the least), and every one that beat
-the current plan had simulated at most 1.17x its step at the first split."""
+evaluated in full. Of the 720 regroupings of those batches, scored both ways, the full
+solve's step was at least 0.91x the first simulation's in 95 % (0.52x at the least), and
+every one that beat the current plan had simulated at most 1.17x its step at the first
+split."""
 FIRST_SIMULATION_COST = 0.5
 """A re-ranking simulation of a regrouping that is not then evaluated, in full evaluations
 of the polish's cap: it lays out and simulates one split, where an evaluation (of 16 GPUs)
-also solves the MILP and builds the plan, in about twice the time."""
+also solves the MILP and builds the plan, in about twice the time. At 0.75 or 1, seeds 2025
+and 2029 had one cluster more short of 1 % each."""
 POLISH_RING_FINALISTS = 2
 """Rings evaluated at every quantum: the fastest at the current one (the current ring among
 them where it is). On 18 planner-scaling cells of 16-128 GPUs and the 20 plan_quality
@@ -198,9 +200,8 @@ def _worth_evaluating(
 
     def faster(count: int) -> list[GlobalChoices]:
         if problem.cluster.world_size > POLISH_RERANKED_UP_TO:
-            return fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)[
-                :count
-            ]
+            found = fastest_estimated(problem, regrouped, POLISH_SCREENED, below_s=current_s)
+            return found[:count]
         found = fastest_estimated(problem, regrouped, POLISH_PRERANKED, below_s=current_s)
         fresh = {c.key() for c in found if not is_first_simulated(problem, c)}
         chosen = _first_simulated_best(problem, found, current_s)[:count]
