@@ -67,7 +67,7 @@ draws) the best two of five by first simulation missed the best of the eight bes
 in 1 batch; the estimate's best four, evaluated in full before, missed it in 5. Four instead
 of five missed it in 6, and plan_quality #0 by 2.3 %. On 24-64 GPUs (plan_quality_medium's
 20 clusters) and the 128-GPU planner cells the re-ranking found the very same plans, while
-its simulations, run in this process as the helper builds rings, cost 8-16 % of a 32-GPU
+its simulations, run in this process as the helper builds rings, cost 8-25 % of a 32-GPU
 search: there the estimate alone ranks them."""
 POLISH_FIRST_SLACK = 1.2
 """A regrouping whose first simulation is over this x the current plan's step is not
