@@ -3,6 +3,7 @@ integer units)."""
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +18,6 @@ class UnitRanges:
     leftover unit (the time rows price it) and the ceiling."""
 
     def __init__(self, model: _Model, times, ceilings: np.ndarray) -> None:
-        self.classes = np.concatenate([np.full(len(t[0]), c) for c, t in enumerate(times)])
         self.starts = np.concatenate([[0], np.cumsum([len(t[0]) for t in times])[:-1]])
         self.per_unit = np.concatenate([t[0] for t in times])
         self.fixed = np.concatenate([t[1] for t in times])
@@ -28,6 +28,13 @@ class UnitRanges:
         self.total_units = float(model.total_units)
         self.total_tokens = float(model.problem.train.seq_len)
         self.block = 2.0 * model.quantum
+        self._changes: dict[tuple[float, int], np.ndarray] = {}  # shared by `under` copies
+
+    def under(self, ceilings: np.ndarray) -> UnitRanges:
+        """These ranges under other ceilings (the times' arrays shared, not rebuilt)."""
+        other = copy.copy(self)
+        other.ceilings = ceilings
+        return other
 
     def finish_s(self, c: int, units: float) -> float:
         """Class `c`'s slowest member's seconds at `units` (`_Model._finish_s` of one class)."""
@@ -37,10 +44,27 @@ class UnitRanges:
         traffic = self.ring[members] * (self.total_tokens - self.block * units)
         return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
 
+    def finish_all_s(self, units: np.ndarray) -> np.ndarray:
+        """Every class's `finish_s` at its `units`."""
+        per_member = units[np.repeat(np.arange(len(units)), np.diff(self._bounds()))]
+        busy = self.per_unit * (per_member + 1) + self.fixed
+        traffic = self.ring * (self.total_tokens - self.block * per_member) + self.fixed
+        return np.maximum.reduceat(np.maximum(busy, traffic), self.starts)
+
+    def _bounds(self) -> np.ndarray:
+        return np.append(self.starts, len(self.per_unit))
+
     def changes_after(self, step_s: float, steps: int) -> np.ndarray:
         """Step times above `step_s` at which some member's busy cap rises or ring need
         falls by one unit, the next `steps` of each, sorted (each a hair above the change,
-        so evaluating there sees it): the ranges change nowhere else."""
+        so evaluating there sees it): the ranges change nowhere else. They do not depend
+        on the ceilings: found once for these times."""
+        key = (step_s, steps)
+        if key not in self._changes:
+            self._changes[key] = self._new_changes_after(step_s, steps)
+        return self._changes[key]
+
+    def _new_changes_after(self, step_s: float, steps: int) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
             spare = step_s - self.fixed
             busy = np.floor(np.maximum(spare, 0.0) / self.per_unit + 1e-9)

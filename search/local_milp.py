@@ -262,24 +262,19 @@ def _busy(seconds: dict[str, np.ndarray]) -> np.ndarray:
 
 def _class_times(classes: list[_Class], rates: list[GroupRates], quantum: int) -> list:
     """Per class: (seconds per segment unit, fixed seconds) of each member, the slowest
-    group of the class speaking for it."""
+    group of the class speaking for it (its groups are all of its size: one [group, member]
+    table per class, one maximum over its groups)."""
+    unit_tokens = 2 * quantum
     times = []
     for cls in classes:
-        per_token = _elementwise_max([rates[p].per_token_s for p in cls.positions])
-        fixed = _elementwise_max([rates[p].fixed_s for p in cls.positions])
-        times.append((np.maximum(per_token * 2 * quantum, 0.0), np.maximum(fixed, 0.0)))
+        if len(cls.positions) == 1:
+            only = rates[cls.positions[0]]
+            per_token, fixed = only.per_token_s, only.fixed_s
+        else:
+            per_token = np.array([rates[p].per_token_s for p in cls.positions]).max(axis=0)
+            fixed = np.array([rates[p].fixed_s for p in cls.positions]).max(axis=0)
+        times.append((np.maximum(per_token * unit_tokens, 0.0), np.maximum(fixed, 0.0)))
     return times
-
-
-def _elementwise_max(arrays: list[np.ndarray]) -> np.ndarray:
-    """The element-by-element maximum of same-shaped arrays: pairwise for a few (cheaper than
-    stacking them), stacked for many."""
-    if len(arrays) > 8:
-        return np.max(arrays, axis=0)
-    found = arrays[0]
-    for other in arrays[1:]:
-        found = np.maximum(found, other)
-    return found
 
 
 def _ring_rates(problem: Problem, groups: list[Group], classes: list[_Class]) -> list:
@@ -352,21 +347,27 @@ def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> l
 
 
 def _new_classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
-    cluster = problem.cluster
-    devices = cluster.devices
+    kind_of = problem.memo("rank kinds", lambda: _rank_kinds(problem.cluster))
     members: dict[tuple, list[int]] = {}
     for position, group in enumerate(groups):
-        # A class shares its first group's memory rows, so its groups must share capacities
-        # too (a CPU test node may set its own `memory_GiB`), not just GPU type and speed.
-        kind = tuple(
-            (devices[r].gpu, devices[r].compute_slowdown, cluster.gpu(r).memory_bytes)
-            for r in group
-        )
+        kind = tuple(kind_of[r] for r in group)
         members.setdefault((kind, tuple(heads[position])), []).append(position)
     return [
         _Class(tuple(positions), len(groups[positions[0]]), key[1])
         for key, positions in members.items()
     ]
+
+
+def _rank_kinds(cluster) -> list[int]:
+    """Per rank, a number standing for what makes its groups interchangeable: GPU type,
+    compute slowdown and memory capacity (a class shares its first group's memory rows, so
+    its groups must share capacities too: a CPU test node may set its own `memory_GiB`)."""
+    devices, ids = cluster.devices, {}
+    looks = [
+        (devices[r].gpu, devices[r].compute_slowdown, cluster.gpu(r).memory_bytes)
+        for r in range(cluster.world_size)
+    ]
+    return [ids.setdefault(look, len(ids)) for look in looks]
 
 
 def _even_units(groups: list[Group], total: int) -> list[int]:
@@ -660,7 +661,9 @@ class _Model:
         x[self.step] = float(np.max(self._finish_s(times, units)))
         return x
 
-    def _fastest_units(self, times, ceilings: np.ndarray, bound_s: float) -> np.ndarray | None:
+    def _fastest_units(
+        self, times, ceilings: np.ndarray, bound_s: float, ranges: UnitRanges | None = None
+    ) -> np.ndarray | None:
         """Integer units per class minimizing the step time under fixed memory ceilings:
         at a step time T each class may take between the units its ring traffic needs and
         the units its members finish by T (and its ceiling allows); the least T at which
@@ -669,7 +672,8 @@ class _Model:
         all tried at once; beyond those it is searched (doublings, then SEARCH_POINTS times
         at once per round until BISECTION_TOLERANCE). The units taken at it are trimmed
         (slowest class first) to the sequence's length."""
-        ranges = UnitRanges(self, times, np.floor(ceilings + 1e-9))
+        ceilings = np.floor(ceilings + 1e-9)
+        ranges = UnitRanges(self, times, ceilings) if ranges is None else ranges.under(ceilings)
         feasible, counts = ranges.covers, ranges.counts
         start_s = max(bound_s, 1e-12)
         events = ranges.changes_after(start_s, EVENT_STEPS)  # where the ranges change
@@ -691,7 +695,7 @@ class _Model:
             low_s = points[first - 1] if first else low_s
             high_s = points[first] if first < len(points) else high_s
         low, units = (row[0] for row in ranges.at(np.array([high_s])))
-        finish = np.array([ranges.finish_s(c, u) for c, u in enumerate(units)])
+        finish = ranges.finish_all_s(units)
         while units @ counts > self.total_units:
             slowest = int(np.argmax(np.where(units - 1 >= low, finish, -np.inf)))
             units[slowest] -= 1
@@ -835,16 +839,18 @@ class _Model:
         integer optimum may put more than one unit above the relaxation's largest class,
         and where memory does not bind, the block is no limit at all."""
         largest = self._least_block(x)
+        ranges = UnitRanges(self, times, np.zeros(0))  # its ceilings set per block
         best, best_s = None, np.inf
         for _ in range(BLOCK_RAISES + 1):
-            units = self._fastest_units(times, self._unit_ceilings(x, largest), bound_s)
+            ceilings = self._unit_ceilings(x, largest)
+            units = self._fastest_units(times, ceilings, bound_s, ranges)
             finish_s = np.inf if units is None else float(np.max(self._finish_s(times, units)))
             if finish_s >= best_s:
                 break  # the raise gained nothing (or nothing fits)
             best, best_s = units, finish_s
             if not self.multi_group or np.max(units) < largest - 1.0:
                 break  # the block did not bind
-            higher = UnitRanges(self, times, np.floor(self._unit_ceilings(x, largest + 1) + 1e-9))
+            higher = ranges.under(np.floor(self._unit_ceilings(x, largest + 1) + 1e-9))
             if not higher.covers(np.array([best_s * (1 - 1e-9)]))[0]:
                 break  # a block one unit higher leaves no shorter step
             largest += 1.0

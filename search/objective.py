@@ -243,7 +243,7 @@ def check_search_space(study, problem: Problem) -> None:
         chunk_quantum=set(quantum_choices(problem)),
         activation_checkpointing=set(problem.checkpointing_options),
     )
-    for trial in study.trials:
+    for trial in study.get_trials(deepcopy=False):
         if not trial.params:
             continue
         names = set(trial.params)
@@ -281,7 +281,7 @@ def check_train_spec(study, problem: Problem) -> None:
     }
     stored = study.user_attrs.get(TRAIN_ATTR)
     if stored is None:
-        if any(trial.params for trial in study.trials) and (
+        if any(trial.params for trial in study.get_trials(deepcopy=False)) and (
             wanted["micro_batches"] != 1 or _step_before_records(problem) != wanted
         ):
             raise InputError(

@@ -90,7 +90,7 @@ def _run_study(problem: Problem, options: SearchOptions) -> StudyOutcome:
     check_train_spec(study, problem)
     recover_killed_trials(study, objective)
     started, scored_here = time.perf_counter(), 0
-    if not study.trials:  # a new study starts from the short list
+    if not study.get_trials(deepcopy=False):  # a new study starts from the short list
         scored_here = _score_shortlist(study, objective, options.n_trials)
     _sample(study, objective, options, scored_here, started)
     polished: list[Trial] = []
@@ -189,7 +189,7 @@ def _outcome(
     """Every completed trial as a record (from its stored values: old and workers' trials
     are not rebuilt), the best plan and the Pareto front rebuilt."""
     records = []
-    for trial in study.trials:
+    for trial in study.get_trials(deepcopy=False):
         if trial.state == optuna.trial.TrialState.COMPLETE:
             throughput = trial.values[0]
             if throughput > INFEASIBLE_SCORE:
