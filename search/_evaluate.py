@@ -23,6 +23,9 @@ SIMULATION_TABLES = "simulation tables"
 (`shared`), which depend on the layout's groups and heads alone, not on the cluster."""
 
 
+_MISSING = object()  # a memo's marker for a key not computed yet
+
+
 @dataclass(frozen=True)
 class Problem:
     """What every candidate of one search shares."""
@@ -39,10 +42,11 @@ class Problem:
     cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def memo(self, key: Hashable, compute: Callable[[], T]) -> T:
-        """`compute()` once per `key` for this search."""
-        if key not in self.cache:
-            self.cache[key] = compute()
-        return self.cache[key]
+        """`compute()` once per `key` for this search (the key hashed once when known)."""
+        found = self.cache.get(key, _MISSING)
+        if found is _MISSING:
+            found = self.cache[key] = compute()
+        return found
 
     def links(self) -> tuple[np.ndarray, np.ndarray]:
         """[node, node] bandwidth (GB/s) and latency (s) under the cost model, once per search."""

@@ -315,10 +315,11 @@ def _busy_root(counts: np.ndarray, least: np.ndarray, times, need: float) -> flo
     without passing it."""
     per_unit = np.concatenate([t[0] for t in times])
     fixed = np.concatenate([t[1] for t in times])
-    owner = np.repeat(np.arange(len(times)), [len(t[0]) for t in times])
+    sizes = [len(t[0]) for t in times]
+    owner = np.repeat(np.arange(len(times)), sizes)
     step_s = max(float(np.max(fixed)), float(np.max(per_unit * (least[owner] + 1) + fixed)))
     working = per_unit > 0
-    if len(np.unique(owner[working])) < len(times):
+    if not np.logical_or.reduceat(working, np.cumsum([0, *sizes[:-1]])).all():
         return step_s  # a class with no busy work can take any units
     a, b, owner = per_unit[working], fixed[working], owner[working]
     starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
@@ -329,7 +330,8 @@ def _busy_root(counts: np.ndarray, least: np.ndarray, times, need: float) -> flo
         if covered >= need * (1 - 1e-12):
             break
         at_minimum = np.flatnonzero(caps == lowest[owner])
-        _, first = np.unique(owner[at_minimum], return_index=True)
+        at_owner = owner[at_minimum]  # sorted: the first of each class starts a run
+        first = np.flatnonzero(np.r_[True, at_owner[1:] != at_owner[:-1]])
         slope = float(counts @ (1.0 / a[at_minimum[first]]))
         step_s += (need - covered) / slope
     return step_s

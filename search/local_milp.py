@@ -342,7 +342,7 @@ def _seconds_per_byte(problem: Problem, sender_node: str, receiver_node: str) ->
 def _classes(problem: Problem, groups: list[Group], heads: list[list[int]]) -> list[_Class]:
     """The classes of interchangeable groups, once per grouping in a search (the screen's
     bound, its estimate and the local solve all ask)."""
-    key = ("classes", tuple(groups), tuple(tuple(h) for h in heads))
+    key = ("classes", tuple(groups), tuple(map(tuple, heads)))
     return problem.memo(key, lambda: _new_classes(problem, groups, heads))
 
 
@@ -350,7 +350,7 @@ def _new_classes(problem: Problem, groups: list[Group], heads: list[list[int]]) 
     kind_of = problem.memo("rank kinds", lambda: _rank_kinds(problem.cluster))
     members: dict[tuple, list[int]] = {}
     for position, group in enumerate(groups):
-        kind = tuple(kind_of[r] for r in group)
+        kind = tuple(map(kind_of.__getitem__, group))
         members.setdefault((kind, tuple(heads[position])), []).append(position)
     return [
         _Class(tuple(positions), len(groups[positions[0]]), key[1])
