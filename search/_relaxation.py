@@ -208,7 +208,7 @@ class _KindRows:
         self.per_block = np.hstack([per_largest, np.zeros_like(per_largest)])
         self.per_share = np.hstack([per_share, per_share])
         self.owner = np.array(owners)
-        self.first_kind = np.flatnonzero(np.r_[True, self.owner[1:] != self.owner[:-1]])
+        self.first_kind = _run_starts(self.owner)
         self.ranks = np.array(ranks, dtype=float)
         least = np.array([float(cls.size - 1) for cls in model.classes])[self.owner]
         with np.errstate(divide="ignore", invalid="ignore"):  # the largest block held
@@ -322,7 +322,7 @@ def _busy_root(counts: np.ndarray, least: np.ndarray, times, need: float) -> flo
     if not np.logical_or.reduceat(working, np.cumsum([0, *sizes[:-1]])).all():
         return step_s  # a class with no busy work can take any units
     a, b, owner = per_unit[working], fixed[working], owner[working]
-    starts = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+    starts = _run_starts(owner)
     for _ in range(_NEWTON_STEPS):
         caps = (step_s - b) / a - 1.0
         lowest = np.minimum.reduceat(caps, starts)
@@ -331,7 +331,15 @@ def _busy_root(counts: np.ndarray, least: np.ndarray, times, need: float) -> flo
             break
         at_minimum = np.flatnonzero(caps == lowest[owner])
         at_owner = owner[at_minimum]  # sorted: the first of each class starts a run
-        first = np.flatnonzero(np.r_[True, at_owner[1:] != at_owner[:-1]])
+        first = _run_starts(at_owner)
         slope = float(counts @ (1.0 / a[at_minimum[first]]))
         step_s += (need - covered) / slope
     return step_s
+
+
+def _run_starts(values: np.ndarray) -> np.ndarray:
+    """Indices where a run of equal values starts in `values` (sorted or grouped)."""
+    changes = np.empty(len(values), dtype=bool)
+    changes[:1] = True
+    np.not_equal(values[1:], values[:-1], out=changes[1:])
+    return np.flatnonzero(changes)
