@@ -183,6 +183,20 @@ def relaxed_step_s(
     return model.relaxed_step_s(_class_times(classes, rates, quantum))
 
 
+def memory_may_bind(
+    problem: Problem,
+    groups: list[Group],
+    heads: list[list[int]],
+    quantum: int,
+    rates: list[GroupRates],
+) -> bool:
+    """Whether memory may bind at the LP relaxation's optimum under `rates` (the optimum
+    does not come without an LP, `_relaxation.unconstrained_optimum`)."""
+    classes = _classes(problem, groups, heads)
+    model = _model_of(problem, groups, heads, quantum)
+    return model._unconstrained(_class_times(classes, rates, quantum)) is None
+
+
 def memory_rules_out_groups(
     problem: Problem, groups: list[Group], heads: list[list[int]], quantum: int
 ) -> bool:

@@ -45,6 +45,7 @@ from hexiseq.search.local_milp import (
     busy_bound_s,
     even_layout,
     first_simulated_s,
+    memory_may_bind,
     memory_rules_out_groups,
     rates_of,
     relaxed_step_s,
@@ -132,6 +133,13 @@ def bound_s(problem: Problem, choices: GlobalChoices) -> float:
 def _bound_s(problem: Problem, choices: GlobalChoices) -> float:
     priced = _priced(problem, choices)
     return INFEASIBLE_S if priced is None else busy_bound_s(*priced)
+
+
+def memory_binds(problem: Problem, choices: GlobalChoices) -> bool:
+    """Whether memory may bind at the optimum `estimate_s(problem, choices)` found (True
+    where nothing fits)."""
+    priced = _priced(problem, choices)
+    return priced is None or memory_may_bind(*priced)
 
 
 def fastest_estimated(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import hexiseq.search.optuna_layer as optuna_layer
 import hexiseq.search.shortlist as shortlist_module
@@ -11,7 +12,8 @@ from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
-from hexiseq.search.screen import estimate_s, simulated_first_s
+from hexiseq.search.objective import quantum_choices
+from hexiseq.search.screen import estimate_s, memory_binds, simulated_first_s
 from hexiseq.search.shortlist import HOPELESS_RATIO, screen_degrees, shortlist
 
 
@@ -128,6 +130,39 @@ def test_no_checkpointed_descent_where_every_pick_fits_without_recompute():
     assert not checkpointed
     tight = paper_problem(1024 * 1024)
     assert any(c.activation_checkpointing for c in shortlist(tight, [256, 512, 1024]))
+
+
+def eight_type_problem() -> Problem:
+    """64 GPUs, a node of each of 8 types, Llama-3-8B at 1M tokens: every greedy pick fits
+    without activation checkpointing, and in each of them memory binds the split."""
+    gpus = ("H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G")
+    nodes = [{"name": f"node{i}", "gpu": gpu, "count": 8} for i, gpu in enumerate(gpus)]
+    cluster = Cluster.from_dict(
+        {"name": "eight-types", "nodes": nodes, "network": {"inter_node_GBps": 50.0}}
+    )
+    return Problem(
+        cluster, ModelSpec.preset("llama3-8b"), TrainSpec(seq_len=1024**2), DatasheetCostModel()
+    )
+
+
+def test_a_pick_keeps_the_recompute_where_memory_binds_without_it_and_it_screens_faster():
+    """Without the recompute the uniform picks fit (at the smaller quantum), but memory caps
+    the slow cards' units and the screen estimates them about 1.8x slower than with it: the
+    short list takes them with activation checkpointing, and the plan built from one runs
+    faster than its lighter twin (the one the short list took before)."""
+    problem = eight_type_problem()
+    smaller, middle, _ = quanta = quantum_choices(problem)
+    uniform = {gpu: 4 for gpu in problem.cluster.gpu_types}
+    heavier = GlobalChoices(uniform, "bandwidth", middle, activation_checkpointing=True)
+    lighter = replace(heavier, activation_checkpointing=False, chunk_quantum=smaller)
+    assert not math.isfinite(estimate_s(problem, replace(lighter, chunk_quantum=middle)))
+    assert math.isfinite(estimate_s(problem, lighter)) and memory_binds(problem, lighter)
+    assert estimate_s(problem, heavier) * 1.5 < estimate_s(problem, lighter)
+    found = shortlist(problem, quanta)
+    assert heavier.key() in {c.key() for c in found}
+    assert lighter.key() not in {c.key() for c in found}
+    step_s = {c: plan_for_choices(problem, c).predicted.step_time_s for c in (lighter, heavier)}
+    assert step_s[heavier] < step_s[lighter]
 
 
 def test_groups_that_memory_rules_out_are_infeasible_without_a_probe():
