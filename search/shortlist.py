@@ -3,12 +3,13 @@
 The greedy stage proposes a handful of global choices (`greedy.greedy_candidates`, with and
 without activation checkpointing). Each is screened (`search.screen`: cached busy rates and
 the local LP, no simulation), then, for each checkpointing setting, a coordinate descent on
-the screen moves one GPU type's HP degree at a time while the estimate improves; the
-checkpointed descent starts only from picks that keep the recompute: those that do not fit
-without it, and those where memory binds without it and the screen estimates them faster
-with it (`_lightest`). Where a pick fits and memory does not bind, the recompute is pure
-cost: on 1024 GPUs of 8 types not descending with it saves four checkpointed probes, one of
-them a simulation of 1024 ring steps, and 0.25 s of a 1 s search. The greedy
+the screen moves one GPU type's HP degree at a time while the estimate improves. Each pick
+keeps the recompute where it does not fit without it, or where memory binds without it and
+the screen estimates it faster with it (`_lightest`), and each descent starts from the picks
+of its own setting. Where a pick fits and memory does not bind, the recompute is pure cost:
+on 1024 GPUs of 8 types not descending with it saves four checkpointed probes, one of them a
+simulation of 1024 ring steps, and 0.25 s of a 1 s search; where every pick keeps it (64
+GPUs of 8 types at 1M tokens), no descent goes without it. The greedy
 picks and the best-screened candidates of each descent (SCREEN_KEEP) are what the search
 evaluates in full. The screen misses the ring's exposed waits (it is 10-35 % optimistic for
 low HP degrees) and prices each group by its rates at even loads (it can also be 44 %
@@ -84,11 +85,8 @@ def shortlist(
     chosen = {c.key(): c for c in picks}
     descents = []
     for checkpointing in problem.checkpointing_options:
-        starts = [replace(c, activation_checkpointing=checkpointing) for c in picks]
-        if not checkpointing:
-            starts = [_without_recompute(problem, c, quanta) for c in starts]
-        else:
-            starts = [c for c in picks if c.activation_checkpointing]
+        # each descent from the picks the screen prefers with its checkpointing setting
+        starts = [c for c in picks if c.activation_checkpointing == checkpointing]
         if starts:
             descents.append(starts)
     # the picks' estimates are asked for here only where the descents stay in this process
