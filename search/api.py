@@ -18,7 +18,6 @@ from hexiseq.search.baselines import (
     BASELINE_NAMES,
     DataParallelBaseline,
     all_baselines,
-    baseline_pieces,
     data_parallel,
     strongest,
 )
@@ -180,7 +179,7 @@ def _search(
 
 def _planned(problem: Problem, options: SearchOptions) -> SearchResult:
     with helping(problem, options.beside):
-        pending = score_beside(problem, _baselines, baseline_pieces(problem))
+        pending = score_beside(problem, _baselines)
         outcome = run_study(problem, options)
         baselines, parallel = pending.result()
     trials = outcome.records + [trial_of({}, b) for b in baselines.values()]

@@ -21,7 +21,6 @@ could only add time, so the checkpointed variant is not simulated.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from hexiseq.costmodel.memory import even_state_fractions
@@ -113,47 +112,22 @@ def uniform_usp(problem: Problem) -> Plan | InfeasiblePlan:
 def type_subsets(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
     """Per GPU type, the best uniform grid on that type's nodes alone (`uniform_usp` of the
     sub-cluster), computed once per search."""
-    return {gpu: type_subset(problem, gpu) for gpu in problem.cluster.gpu_types}
+    return problem.memo(("type subsets", problem.train), lambda: _type_subsets(problem))
 
 
-def type_subset(problem: Problem, gpu: str) -> Plan | InfeasiblePlan:
-    """`uniform_usp` of `gpu`'s nodes alone, once per search."""
-    return problem.memo(("type subset", problem.train, gpu), lambda: _type_subset(problem, gpu))
-
-
-def _type_subset(problem: Problem, gpu: str) -> Plan | InfeasiblePlan:
-    cluster = problem.cluster
-    nodes = [node.name for node in cluster.nodes if node.gpu == gpu]
-    subset = cluster.subset(nodes, f"{cluster.name}[{gpu} only]")
-    sub_problem = Problem(
-        subset, problem.model, problem.train, problem.cost, problem.checkpointing_options
-    )
-    # The ring's who-sends-what tables depend on the layout's groups and heads alone: every
-    # type's sub-cluster of the same shape lays out the same grids.
-    sub_problem.cache[SIMULATION_TABLES] = problem.memo(SIMULATION_TABLES, dict)
-    return uniform_usp(sub_problem)
-
-
-def baseline_pieces(problem: Problem) -> list[tuple[Callable, tuple]]:
-    """The baselines' costly parts as `(function, args)`, each `function(problem, *args)`
-    filling `problem`'s memos: every uniform grid of the whole cluster, and each GPU type's
-    best grid alone. A helper scores them one at a time in the background (`search.beside`),
-    so what the search asks of it meanwhile waits for one piece at most."""
-    world = problem.cluster.world_size
-    pieces: list[tuple[Callable, tuple]] = [
-        (_grid_piece, (d,)) for d in range(1, world + 1) if world % d == 0
-    ]
-    if len(problem.cluster.gpu_types) > 1:
-        pieces += [(_subset_piece, (gpu,)) for gpu in problem.cluster.gpu_types]
-    return pieces
-
-
-def _grid_piece(problem: Problem, hp_degree: int) -> None:
-    uniform_grid_plan(problem, hp_degree, "uniform-usp")
-
-
-def _subset_piece(problem: Problem, gpu: str) -> None:
-    type_subset(problem, gpu)
+def _type_subsets(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
+    cluster, plans = problem.cluster, {}
+    for gpu in cluster.gpu_types:
+        nodes = [node.name for node in cluster.nodes if node.gpu == gpu]
+        subset = cluster.subset(nodes, f"{cluster.name}[{gpu} only]")
+        sub_problem = Problem(
+            subset, problem.model, problem.train, problem.cost, problem.checkpointing_options
+        )
+        # The ring's who-sends-what tables depend on the layout's groups and heads alone:
+        # every type's sub-cluster of the same shape lays out the same grids.
+        sub_problem.cache[SIMULATION_TABLES] = problem.memo(SIMULATION_TABLES, dict)
+        plans[gpu] = uniform_usp(sub_problem)
+    return plans
 
 
 def homogeneous_subset(problem: Problem) -> Plan | InfeasiblePlan:

@@ -3,9 +3,7 @@
 The baselines (uniform grids on the whole cluster and on each GPU type's nodes, ring-only,
 Ulysses-only, the data-parallel replicas) need nothing the study finds, and the study needs
 nothing they find, so the default search (no sampling, no stored study) sends them to its
-helper first, where it has one, and takes them when the study is done. They go to its
-background, in pieces (each grid, each type's nodes alone): what the study asks of the helper
-meanwhile waits for one piece at most, not for all the baselines. The helper scores them
+helper first, where it has one, and takes them when the study is done. The helper scores them
 on the same problem, so it finds exactly what this process would. Where it cannot answer (no
 helper, it failed, it died, it is still not done `BESIDE_WAIT_FACTOR` x the study's time after
 the study), this process scores them itself: the same results, later.
@@ -18,7 +16,7 @@ a child forked for them per search paid only from 64 GPUs. The helper is forked 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,15 +55,7 @@ class Pending:
         return answer[0] if answer is not None else self.score(self.problem)
 
 
-def score_beside(
-    problem: Problem, score: Callable[[Problem], Any], pieces: Sequence[tuple] = ()
-) -> Pending:
+def score_beside(problem: Problem, score: Callable[[Problem], Any]) -> Pending:
     """Start `score(problem)` (a module-level function) in the search's helper where it has
-    one (`helper.helping`), in the background, after `pieces` (`(function, args)`: parts of
-    it, each filling the helper's memos): the helper takes up what the search asks of it
-    between two pieces. `result()` of what this returns gives its value either way."""
-    for function, args in pieces:
-        if helper.start(problem, function, *args, background=True, answer=False) is None:
-            break  # no helper: `result()` scores it all here
-    ticket = helper.start(problem, score, background=True)
-    return Pending(problem, score, ticket, time.perf_counter())
+    one (`helper.helping`); `result()` of what this returns gives its value either way."""
+    return Pending(problem, score, helper.start(problem, score), time.perf_counter())

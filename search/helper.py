@@ -8,9 +8,7 @@ both move, the short list's descent with activation checkpointing beside the one
 picks the short list will score (`Objective.build_ahead`: their busy rates are known and
 never change, so they are the plans this process would build later).
 
-The helper works in order, one piece of work at a time, and work sent to the background
-(the baselines, in pieces: `search.beside`) only while nothing else is waiting: what the
-search asks for meanwhile waits for the piece at hand at most. Work not started yet can be
+The helper works in order, one piece of work at a time. Work not started yet can be
 withdrawn (`withdraw`): the helper skips it, and its answer (an empty one where skipped) is
 dropped. A plan built ahead is taken where the helper has built it or is building it
 (`under_way`: the first asked for and not answered); the others still waiting are withdrawn
@@ -19,9 +17,8 @@ next candidate beside each, as without them.
 
 Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
 search forks one helper process, and the process keeps it for its later searches. A search
-holds it from start to end (`helping`): it sends the baselines first (to the background),
-and later the second half of each batch while this process evaluates the first; both run at
-once on two CPUs.
+holds it from start to end (`helping`): it sends the baselines first, and later the second
+half of each batch while this process evaluates the first; both run at once on two CPUs.
 
 Forked once, not once a search or a batch: after a fork every memory page either process
 touches (even to count a reference) is copied. Forking a child per batch made 16-32 GPU
@@ -120,23 +117,12 @@ def helping(problem: Problem, allowed: bool) -> Iterator[None]:
         _LOCK.release()
 
 
-def start(
-    problem: Problem,
-    work: Callable[..., Any],
-    *args,
-    rates: bool = True,
-    background: bool = False,
-    answer: bool = True,
-) -> int | None:
+def start(problem: Problem, work: Callable[..., Any], *args, rates: bool = True) -> int | None:
     """Start `work(problem, *args)` in the helper (`work` a module-level function), with
     this process's busy rates (`rates`: else the helper has them, from earlier work of the
-    search); returns a ticket for `result`, or None where the search has no helper. Work in
-    the `background` waits while other work is asked for (module doc); without `answer`,
-    what it returns is dropped (work that only fills the helper's memos)."""
+    search); returns a ticket for `result`, or None where the search has no helper."""
     helper = _helper_of(problem)
-    if helper is None:
-        return None
-    return helper.call(problem, work, args, rates, background=background, answer=answer)
+    return None if helper is None else helper.call(problem, work, args, rates)
 
 
 def result(problem: Problem, ticket: int | None, wait_s: float) -> tuple[Any] | None:
@@ -158,7 +144,7 @@ def under_way(problem: Problem) -> int | None:
     if helper is None:
         return None
     helper.idle()  # reads what is in
-    return min(helper.waiting - helper.background, default=None)
+    return min(helper.waiting, default=None)
 
 
 def withdraw(problem: Problem, ticket: int) -> None:
@@ -170,8 +156,7 @@ def withdraw(problem: Problem, ticket: int) -> None:
 
 
 def has_helper(problem: Problem) -> bool:
-    """Whether `problem`'s search has a helper with nothing else to do (but background
-    work, which waits for what is asked for now)."""
+    """Whether `problem`'s search has a helper with nothing else to do."""
     helper = _helper_of(problem)
     return helper is not None and helper.idle()
 
@@ -264,20 +249,12 @@ class _Helper:
     waiting: set[int] = field(default_factory=set)
     answers: dict[int, Any] = field(default_factory=dict)
     withdrawn: set[int] = field(default_factory=set)  # answers to drop when they come
-    background: set[int] = field(default_factory=set)  # waiting tickets in the background
 
     def call(
-        self,
-        problem: Problem,
-        work: Callable,
-        args: tuple,
-        with_rates: bool = True,
-        background: bool = False,
-        answer: bool = True,
+        self, problem: Problem, work: Callable, args: tuple, with_rates: bool = True
     ) -> int | None:
         """Send `work(problem, *args)` (and the problem, once per search, and this process's
-        busy rates, `with_rates`), in the `background` or not; a ticket, or None where the
-        helper is gone. Without `answer`, the answer is dropped when it comes."""
+        busy rates, `with_rates`); a ticket, or None where the helper is gone."""
         ticket = next(_TICKETS)
         try:
             search_id = _search_id(problem)
@@ -287,15 +264,10 @@ class _Helper:
             rates = {}
             if with_rates:
                 rates = {key: dict(t) for key, t in problem.cache.items() if _rates(key)}
-            kind = "background" if background else "call"
-            self.connection.send((kind, ticket, search_id, rates, work, args))
+            self.connection.send(("call", ticket, search_id, rates, work, args))
         except (OSError, ValueError):  # the helper is gone (or the pipe closed)
             return None
         self.waiting.add(ticket)
-        if background:
-            self.background.add(ticket)
-        if not answer:
-            self.withdrawn.add(ticket)
         return ticket
 
     def withdraw(self, ticket: int) -> None:
@@ -305,14 +277,12 @@ class _Helper:
         with contextlib.suppress(OSError, ValueError):  # else the helper is gone
             self.connection.send(("withdraw", ticket))
         self.waiting.discard(ticket)
-        self.background.discard(ticket)
         self.withdrawn.add(ticket)
 
     def idle(self) -> bool:
-        """Whether every answer asked for is in, background work aside (read without
-        waiting)."""
+        """Whether every answer asked for is in (read without waiting)."""
         self._read(wait_s=0.0)
-        return not (self.waiting - self.background)
+        return not self.waiting
 
     def take(self, problem: Problem, ticket: int, wait_s: float) -> tuple[Any] | None:
         """`(value,)` of `ticket`'s work, waiting at most `wait_s`; None where there is none
@@ -335,7 +305,6 @@ class _Helper:
             while True:
                 ticket, answer = self.connection.recv()
                 self.waiting.discard(ticket)
-                self.background.discard(ticket)
                 if ticket in self.withdrawn:
                     self.withdrawn.discard(ticket)
                 else:
@@ -465,11 +434,10 @@ def _serve(connection) -> None:
     gc.disable()
     problem, search_id = None, None
     work: collections.deque = collections.deque()
-    background: collections.deque = collections.deque()  # done while `work` is empty
     withdrawn: set[int] = set()
     while True:
         try:  # take in all that was sent; wait for more only with nothing to do
-            while not (work or background) or connection.poll(0.0):
+            while not work or connection.poll(0.0):
                 message = connection.recv()
                 if message[0] == "problem":
                     if problem is not None:
@@ -480,10 +448,10 @@ def _serve(connection) -> None:
                 elif message[0] == "withdraw":
                     withdrawn.add(message[1])
                 else:
-                    (background if message[0] == "background" else work).append(message)
+                    work.append(message)
         except (EOFError, OSError):
             return
-        _, ticket, wanted, rates, function, args = (work or background).popleft()
+        _, ticket, wanted, rates, function, args = work.popleft()
         if ticket in withdrawn:  # skipped; the empty answer lets the parent forget it
             withdrawn.discard(ticket)
             try:

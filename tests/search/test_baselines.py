@@ -146,7 +146,7 @@ def test_data_parallel_needs_two_types_that_hold_a_sequence_each():
     homogeneous = problem_for(one_type, "llama3-8b", 65536)
     assert data_parallel(homogeneous) is None
     # decided before any sub-cluster is planned: a one-type "subset" is the cluster itself
-    assert not [key for key in homogeneous.cache if key[0] == "type subset"]
+    assert not [key for key in homogeneous.cache if key[0] == "type subsets"]
 
 
 def test_the_cli_says_when_replicas_would_beat_the_plan(tmp_path):

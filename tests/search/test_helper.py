@@ -243,23 +243,7 @@ def test_the_helpers_part_of_a_batch_is_sent_before_the_rest_is_found_here(monke
     assert batch_rows(plans) == batch_rows(here)
 
 
-def scored(plan) -> float | str:
-    return plan.predicted.tokens_per_s if isinstance(plan, Plan) else plan.reason
-
-
-def pause(problem: Problem, seconds: float) -> None:
-    """A piece of background work (in the helper)."""
-    time.sleep(seconds)
-
-
-def finished_at(problem: Problem) -> float:
-    """When the helper got to this (CLOCK_MONOTONIC: one clock for every process)."""
-    return time.monotonic()
-
-
-def test_a_batch_goes_between_two_pieces_of_the_baselines():
-    """The baselines go to the helper's background in pieces: a batch asked for meanwhile
-    waits for the piece at hand, not for the rest of them."""
+def test_a_batch_waits_for_no_helper_busy_with_the_baselines():
     problem, built_here = problem_on("h100x8-a100x8"), []
 
     def evaluate(choices):
@@ -267,30 +251,10 @@ def test_a_batch_goes_between_two_pieces_of_the_baselines():
         return plan_for_choices(problem, choices)
 
     with helper.helping(problem, True):
-        pending = beside.score_beside(problem, finished_at, [(pause, (0.3,))] * 4)
-        assert helper.has_helper(problem)  # background work only
-        _, plans = helper.evaluate_batch(problem, BATCH, evaluate)
-        batch_done = time.monotonic()
-        assert len(built_here) < len(BATCH)  # the helper built its half
-        assert [scored(p) for p in plans] == [scored(plan_for_choices(problem, c)) for c in BATCH]
-        assert pending.beside and batch_done < pending.result()  # before the last pieces
-
-
-def test_foreground_work_goes_to_a_busy_helper_only_where_asked():
-    """Work sent beside the search's other work (not to the background) makes the helper
-    busy: a batch then waits for no helper and is built here."""
-    problem, built_here = problem_on("h100x8-a100x8"), []
-
-    def evaluate(choices):
-        built_here.append(choices)
-        return plan_for_choices(problem, choices)
-
-    with helper.helping(problem, True):
-        ticket = helper.start(problem, pause, 0.5)
-        assert not helper.has_helper(problem)
+        pending = beside.score_beside(problem, hangs_in_helper)  # keeps the helper busy
         helper.evaluate_batch(problem, BATCH, evaluate)
         assert built_here == BATCH
-        assert helper.result(problem, ticket, 10.0) == (None,)
+    assert pending.beside
 
 
 def describe(result) -> dict:
