@@ -60,9 +60,10 @@ HOPELESS_RATIO = 2.0
 the 4,707 distinct candidates scored in 201 default searches (the 16 planner-scaling cells,
 65 preset searches and 120 plan_quality clusters of seeds 2024-2029) the estimate was at most
 1.442x the simulated step (93 over 1.3x), so such a candidate runs at least 1.39x slower.
-At 1.5 it would leave 64 GPUs of 8 types 4 plans fewer to build (-18 % in one process, the
+At 1.5 (tried before `_lightest`, when 64 GPUs of 8 types still scored its uniform picks
+without the recompute) it left that cell 4 plans fewer to build (-18 % in one process, the
 same plans on 80 plan_quality and 20 plan_quality_medium clusters), but with 4 % to spare
-against that 1.442: kept at 2."""
+against that 1.442: kept at 2. With `_lightest` that cell builds 12 plans at either."""
 SCREEN_ALL_DEGREES = 8
 SCREEN_ALL_DEGREES_UP_TO = 32
 """Clusters up to this many devices screen every HP degree; larger ones the powers of two and
