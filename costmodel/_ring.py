@@ -52,7 +52,7 @@ class RingTables:
 def build_ring_tables(context: SimContext) -> RingTables:
     """Compute and transfer time of every rank at every ring step of `context`'s layout."""
     group_count = len(context.layout.groups)
-    pairs = steps_by_column(causal_pair_matrix(context.layout, context.group_of))
+    pairs = context.of_layout("ring pairs", _pairs_by_step)
     shapes = _block_shapes(context, pairs)
     forward_s, backward_s = _attention_times(context, pairs, shapes)
     if group_count == 1:
@@ -71,6 +71,11 @@ def build_ring_tables(context: SimContext) -> RingTables:
         folds,
         _fold_times(context, folds, block_tokens),
     )
+
+
+def _pairs_by_step(context: SimContext) -> np.ndarray:
+    """[step, group] causal (query, key) pairs of the block group g holds at each step."""
+    return steps_by_column(causal_pair_matrix(context.layout, context.group_of))
 
 
 def ring_pass(

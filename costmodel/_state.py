@@ -70,6 +70,20 @@ class SimContext:
             self.shared[key] = compute(layout)
         return self.shared[key]
 
+    def of_layout(self, name: str, compute: Callable[[SimContext], np.ndarray]) -> np.ndarray:
+        """`compute(self)` of a table that depends on the whole layout (its token ranges
+        too) and nothing else: once per layout among the simulations sharing `shared` where
+        it keeps such tables (`LAYOUT_TABLES`), else each time."""
+        tables = self.shared.get(LAYOUT_TABLES)
+        if tables is None:
+            return compute(self)
+        key = (name, self.layout)
+        if key not in tables:
+            table = compute(self)
+            table.setflags(write=False)
+            tables[key] = table
+        return tables[key]
+
     @cached_property
     def emulated(self) -> bool:
         """Whether some rank runs slowed down (an emulated cluster)."""
@@ -86,6 +100,13 @@ class SimContext:
     def group_max(self, values: np.ndarray) -> np.ndarray:
         """[group] largest of the [rank] `values` over each group's members."""
         return np.maximum.reduceat(values[self.rank_order], self.group_starts)
+
+
+LAYOUT_TABLES = "layout tables"
+"""The entry of a `shared` dict (`simulate_step`) that keeps tables by whole layout: worth it
+where many simulations lay out the same layouts on other clusters (the baselines' uniform
+grids on each GPU type's nodes), not in a search whose layouts all differ (a table of a ring
+of G groups has G² entries)."""
 
 
 def make_context(

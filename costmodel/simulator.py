@@ -40,6 +40,7 @@ from hexiseq.costmodel._all_to_all import all_to_all, all_to_all_durations
 from hexiseq.costmodel._ring import RingTables, build_ring_tables, ring_pass
 from hexiseq.costmodel._state import (
     BREAKDOWN_KEYS,
+    LAYOUT_TABLES,
     Ledger,
     SimContext,
     make_context,
@@ -132,6 +133,13 @@ def simulate_step(
     step_time_s = float(np.max(ledger.total()))
     ledger.add("idle_s", step_time_s - ledger.total())
     return _prediction(context, ledger, step_time_s, fractions)
+
+
+def shared_tables(by_layout: bool = False) -> dict:
+    """A fresh dict for `simulate_step(..., shared=)`; with `by_layout`, it also keeps the
+    tables that depend on the whole layout, for simulations of the same layouts on other
+    clusters of the same shape."""
+    return {LAYOUT_TABLES: {}} if by_layout else {}
 
 
 def _check_compatible(cluster: Cluster, model: ModelSpec, layout: AttentionLayout) -> None:

@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass, replace
 
 from hexiseq.costmodel.memory import even_state_fractions
+from hexiseq.costmodel.simulator import shared_tables
 from hexiseq.layout import build_uniform_layout
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import SIMULATION_TABLES, Problem, evaluate
@@ -53,10 +54,16 @@ def _grid_plan(problem: Problem, hp_degree: int, name: str) -> Plan | Infeasible
             f"seq_len {problem.train.seq_len} does not split into {2 * cp_degree} equal "
             f"zigzag chunks of {hp_degree} equal shards",
         )
-    layout = build_uniform_layout(
-        problem.train.seq_len, model.heads, model.kv_heads, [hp_degree] * cp_degree
-    )
-    return _best_checkpointing(problem, layout, name, hp_degree, cp_degree)
+    key = (problem.train.seq_len, model.heads, model.kv_heads, hp_degree, cp_degree)
+    layouts = problem.memo(UNIFORM_LAYOUTS, dict)
+    if key not in layouts:
+        layouts[key] = build_uniform_layout(*key[:3], [hp_degree] * cp_degree)
+    return _best_checkpointing(problem, layouts[key], name, hp_degree, cp_degree)
+
+
+UNIFORM_LAYOUTS = "uniform layouts"
+"""A `Problem.cache` entry: the uniform grids laid out, which every GPU type's sub-cluster of
+one shape shares (`_type_subsets`), so their simulations share the tables of the layout."""
 
 
 def _best_checkpointing(problem: Problem, layout, name: str, hp_degree: int, cp_degree: int):
@@ -117,15 +124,16 @@ def type_subsets(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
 
 def _type_subsets(problem: Problem) -> dict[str, Plan | InfeasiblePlan]:
     cluster, plans = problem.cluster, {}
+    # Every type's sub-cluster of one shape lays out the same grids: the layouts and the
+    # simulator's tables of each (the ring's traffic, its causal pairs) are shared.
+    tables, layouts = shared_tables(by_layout=True), {}
     for gpu in cluster.gpu_types:
         nodes = [node.name for node in cluster.nodes if node.gpu == gpu]
         subset = cluster.subset(nodes, f"{cluster.name}[{gpu} only]")
         sub_problem = Problem(
             subset, problem.model, problem.train, problem.cost, problem.checkpointing_options
         )
-        # The ring's who-sends-what tables depend on the layout's groups and heads alone:
-        # every type's sub-cluster of the same shape lays out the same grids.
-        sub_problem.cache[SIMULATION_TABLES] = problem.memo(SIMULATION_TABLES, dict)
+        sub_problem.cache.update({SIMULATION_TABLES: tables, UNIFORM_LAYOUTS: layouts})
         plans[gpu] = uniform_usp(sub_problem)
     return plans
 

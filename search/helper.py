@@ -49,10 +49,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copyreg
+import dataclasses
+import functools
 import gc
 import io
 import itertools
 import multiprocessing
+import operator
 import os
 import pickle
 import signal
@@ -388,14 +392,71 @@ def planned(problem: Problem, choices: GlobalChoices) -> tuple[Scored, float]:
 
 class _Pickler(pickle.Pickler):
     """Pickles the problem's cluster, model and cost model by name: the other process has
-    them (`_dumps`, `_loads`)."""
+    them (`_dumps`, `_loads`); and the frozen slotted dataclasses of plans and clusters as
+    their field values (`_SLOTTED`). Both through a dispatch table, which pickle consults in
+    C by type for objects of other classes only: a `persistent_id` method is a Python call
+    for every object pickled, and the dataclasses' own slotted pickling looks up their
+    fields for every object (the two were 85 % of pickling and unpickling the baselines of
+    128 GPUs, 4 ms each way)."""
 
     def __init__(self, file, problem: Problem) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.shared = {id(getattr(problem, name)): name for name in SHARED}
+        table = {**copyreg.dispatch_table, **_slotted_reducers()}
+        for name in SHARED:
+            shared = getattr(problem, name)
+            fallback = table.get(type(shared))
+            table[type(shared)] = functools.partial(_reduce_shared, shared, name, fallback)
+        self.dispatch_table = table
 
-    def persistent_id(self, obj):
-        return self.shared.get(id(obj))
+
+def _reduce_shared(shared, name: str, fallback, obj):
+    """`obj` by `name` where it is the problem's `shared` part; else as its class would."""
+    if obj is shared:
+        return _shared_part, (name,)
+    return fallback(obj) if fallback is not None else obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+
+
+def _shared_part(name: str):
+    """Stands in a pickle for the problem's part `name`: `_Unpickler` resolves it."""
+    raise pickle.UnpicklingError(f"{name!r} is the unpickling problem's own part")
+
+
+@functools.cache
+def _slotted_reducers() -> dict[type, Callable]:
+    """Reducers of the frozen slotted dataclasses a plan or a cluster holds: the class and
+    its field values, restored by `_restored` (the fields looked up once per class)."""
+    from hexiseq.cluster import Device, Node
+    from hexiseq.model import ModelSpec, TrainSpec
+    from hexiseq.plan import Prediction, RankAssignment, RankPrediction, RankTime
+
+    reducers = {}
+    for cls in (RankAssignment, RankTime, RankPrediction, Prediction, Node, Device):
+        reducers[cls] = functools.partial(_reduce_slotted, cls, _field_values(cls))
+    for cls in (ModelSpec, TrainSpec):
+        reducers[cls] = functools.partial(_reduce_slotted, cls, _field_values(cls))
+    return reducers
+
+
+def _field_values(cls: type) -> Callable[[Any], tuple]:
+    return operator.attrgetter(*_field_names(cls))
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _reduce_slotted(cls: type, values: Callable[[Any], tuple], obj):
+    return _restored, (cls, values(obj))
+
+
+def _restored(cls: type, values: tuple):
+    """The frozen dataclass `cls` with these field values, as its own unpickling makes it
+    (no `__init__`, no `__post_init__`: the values were checked when first made)."""
+    obj = object.__new__(cls)
+    for name, value in zip(_field_names(cls), values):
+        object.__setattr__(obj, name, value)
+    return obj
 
 
 class _Unpickler(pickle.Unpickler):
@@ -403,7 +464,12 @@ class _Unpickler(pickle.Unpickler):
         super().__init__(file)
         self.problem = problem
 
-    def persistent_load(self, name: str):
+    def find_class(self, module: str, name: str):
+        if module == __name__ and name == "_shared_part":
+            return self._part
+        return super().find_class(module, name)
+
+    def _part(self, name: str):
         if name not in SHARED:
             raise pickle.UnpicklingError(f"no shared object {name!r}")
         return getattr(self.problem, name)

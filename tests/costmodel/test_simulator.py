@@ -6,7 +6,9 @@ import pytest
 
 from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout, build_zigzag_layout
 from hexiseq.costmodel import DatasheetCostModel, simulate_step
+from hexiseq.costmodel._state import LAYOUT_TABLES
 from hexiseq.costmodel._traffic import all_to_all_bytes
+from hexiseq.costmodel.simulator import shared_tables
 
 # One layer, one head, head_dim 8: weights are tiny next to a 500-token K/V block, so the FSDP
 # gather (464 weights x 2 B) never shows and the ring alone sets the step time.
@@ -213,3 +215,30 @@ def test_tables_shared_between_simulations_change_no_prediction():
     # the ring's traffic (senders, dK/dV senders, folds), the all-to-all's padded groups:
     # two head splits
     assert len(shared) == 2 * 2
+
+
+def test_tables_kept_by_whole_layout_serve_other_clusters_of_its_shape_unchanged():
+    """Where `shared` keeps tables by whole layout (`shared_tables(by_layout=True)`: the
+    baselines' grids on each GPU type's nodes), one layout simulated on two clusters of the
+    same shape computes its ring's causal pairs once, read-only, and both predictions equal
+    unshared simulations; a plain shared dict keeps no such table."""
+
+    def pair_of(gpu: str) -> Cluster:
+        nodes = [{"name": name, "gpu": gpu, "count": 2} for name in ("a", "b")]
+        return Cluster.from_dict({"name": gpu, "nodes": nodes, "network": {"inter_node_GBps": 25}})
+
+    model = ModelSpec(
+        name="m", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, ffn_hidden=512, vocab=64
+    )
+    train = TrainSpec(seq_len=4096, activation_checkpointing=False)
+    layout = build_uniform_layout(4096, 4, 2, [2, 2])
+    cost, by_layout, plain = DatasheetCostModel(), shared_tables(by_layout=True), shared_tables()
+    for cluster in (pair_of("A100-80G"), pair_of("H100-SXM")):
+        alone = simulate_step(cluster, model, train, layout, cost)
+        for shared in (by_layout, plain):
+            together = simulate_step(cluster, model, train, layout, cost, shared=shared)
+            assert together.rank_times == alone.rank_times
+            assert together.step_time_s == alone.step_time_s
+    (table,) = by_layout[LAYOUT_TABLES].values()
+    assert table.shape == (2, 2) and not table.flags.writeable
+    assert LAYOUT_TABLES not in plain

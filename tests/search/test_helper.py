@@ -6,16 +6,17 @@ import os
 import sys
 import threading
 import time
-from dataclasses import replace
+from dataclasses import FrozenInstanceError, replace
 
 import pytest
 
 from hexiseq import Cluster, ModelSpec, TrainSpec
 from hexiseq.costmodel import DatasheetCostModel
 from hexiseq.errors import InputError
-from hexiseq.plan import Plan
+from hexiseq.plan import Plan, RankPrediction
 from hexiseq.search import beside, helper, plan_search
 from hexiseq.search._evaluate import Problem
+from hexiseq.search.baselines import all_baselines, data_parallel
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.objective import Objective
@@ -373,6 +374,30 @@ def test_the_checkpointed_descent_in_the_helper_lists_what_this_process_would(mo
         for p in problems
     ]  # fmt: skip
     assert rates[0] == rates[1] and len(rates[0]) == 2  # both steps' tables
+
+
+def test_an_answer_refers_to_the_problems_own_parts_and_carries_the_rest_equal():
+    """The baselines as the helper sends them back: the problem's cluster, model and cost
+    model by name (unpickled as this process's own objects), everything else equal to what
+    was sent (a homogeneous subset's cluster, its frozen per-rank records), and frozen still."""
+    problem = problem_on("mix4-32")
+    baselines = all_baselines(problem)
+    parallel = data_parallel(problem)
+    sent = helper._dumps((baselines, parallel), problem)
+    here = replace(problem, cache={})  # the problem as the other process holds it
+    got, got_parallel = helper._loads(sent, here)
+    assert got == baselines and got_parallel == parallel
+    usp, subset = got["uniform-usp"], got["homogeneous-subset"]
+    assert usp.cluster is problem.cluster and usp.model is problem.model
+    assert subset.cluster == baselines["homogeneous-subset"].cluster
+    assert subset.cluster is not problem.cluster and len(subset.assignments) < 32
+    with pytest.raises(FrozenInstanceError):
+        usp.assignments[0].tokens = 0
+    assert isinstance(usp.predicted.ranks[0], RankPrediction)
+    other = Problem(problem.cluster, ModelSpec.preset("llama2-13b"), problem.train, problem.cost)
+    # a model that is not the problem's travels in full
+    (model,) = helper._loads(helper._dumps((problem.model,), other), other)
+    assert model == problem.model and model is not other.model
 
 
 def test_an_answer_that_cannot_be_read_here_is_scored_here(monkeypatch):

@@ -230,3 +230,51 @@ def test_the_first_simulation_is_the_one_the_full_evaluation_starts_from():
     # the full solve starts from that split and does not end slower than it
     assert estimate_s(ranked, choices) < first_s
     assert plan.predicted.step_time_s <= first_s * (1 + 1e-9)
+
+
+def test_a_greedy_default_whose_first_split_runs_over_twice_the_next_plan_is_left_out(
+    monkeypatch,
+):
+    """128 GPUs of 4 types at 1M tokens: the greedy default (HP 8 on the fast types, HP 1
+    on the slow) is estimated within 1 % of the others, but its first split simulates over
+    HOPELESS_RATIO x the step of the next candidate's plan, built first: the default is not
+    scored. Built anyway, it runs slower than that plan, and a search that keeps every
+    default (`DEFAULT_CHECKED_FROM` beyond the cluster) scores it and finds the same plan."""
+    listed = []
+    real_shortlist = optuna_layer.shortlist
+
+    def recording_shortlist(problem, quanta, ahead=None):
+        listed[:] = real_shortlist(problem, quanta, ahead)
+        return listed
+
+    monkeypatch.setattr(optuna_layer, "shortlist", recording_shortlist)
+    pruned = plan_search("mix4-128", "llama3-8b", "1M")
+    default, rival = listed[:2]
+    problem = Problem(
+        Cluster.preset("mix4-128"),
+        ModelSpec.preset("llama3-8b"),
+        TrainSpec(seq_len=2**20),
+        DatasheetCostModel(),
+    )
+    rival_s = plan_for_choices(problem, rival).predicted.step_time_s
+    assert estimate_s(problem, default) < 1.01 * estimate_s(problem, rival)
+    assert simulated_first_s(problem, default) > HOPELESS_RATIO * rival_s
+    assert plan_for_choices(problem, default).predicted.step_time_s > rival_s
+    assert not any(scored_as(trial, default) for trial in pruned.trials)
+    monkeypatch.setattr(optuna_layer, "DEFAULT_CHECKED_FROM", math.inf)
+    kept = plan_search("mix4-128", "llama3-8b", "1M")
+    assert any(scored_as(trial, default) for trial in kept.trials)
+    assert kept.best.predicted.tokens_per_s == pruned.best.predicted.tokens_per_s
+    assert kept.best.knobs == pruned.best.knobs
+
+
+def scored_as(trial, choices: GlobalChoices) -> bool:
+    """Whether a search's trial scored `choices`."""
+    params = trial.params or {}
+    degrees = {gpu: params.get(f"hp_degree[{gpu}]") for gpu in choices.hp_degrees}
+    return (
+        degrees == choices.hp_degrees
+        and params.get("ring_order") == choices.ring_order
+        and params.get("chunk_quantum") == choices.chunk_quantum
+        and params.get("activation_checkpointing") == choices.activation_checkpointing
+    )
