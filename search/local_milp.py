@@ -229,6 +229,47 @@ def busy_bound_s(
     return _busy_bound_s(classes, _class_times(classes, rates, quantum), total_units)
 
 
+@dataclass(frozen=True)
+class ClassPart:
+    """One class of interchangeable groups in a part of a ring (`class_parts`): where its
+    first group stands (any keys that sort as the ring's positions do), its groups, their
+    size, and its members' (seconds per segment unit, fixed seconds) as `_class_times`."""
+
+    first: tuple
+    groups: _Class  # its positions: in the part
+    times: tuple[np.ndarray, np.ndarray]
+
+
+def class_parts(
+    problem: Problem,
+    groups: list[Group],
+    heads: list[list[int]],
+    places: list[tuple],
+    rates: list[GroupRates],
+    quantum: int,
+) -> list[ClassPart]:
+    """The classes of `groups` (a part of a ring no class of the rest shares: one GPU
+    type's groups) with their times, each group at its place in the ring (`places`).
+    `parts_bound_s` of every part of a ring is `busy_bound_s` of the ring."""
+    kind_of = problem.memo("rank kinds", lambda: _rank_kinds(problem.cluster))
+    members: dict[tuple, list[int]] = {}
+    for index, group in enumerate(groups):
+        kind = tuple(map(kind_of.__getitem__, group))
+        members.setdefault((kind, tuple(heads[index])), []).append(index)
+    parts = []
+    for (_, member_heads), indices in members.items():
+        cls = _Class(tuple(indices), len(groups[indices[0]]), member_heads)
+        (times,) = _class_times([cls], rates, quantum)
+        parts.append(ClassPart(min(places[i] for i in indices), cls, times))
+    return parts
+
+
+def parts_bound_s(parts: list[ClassPart], total_units: int) -> float:
+    """`busy_bound_s` of a ring from its classes (`class_parts`), in ring order."""
+    ordered = sorted(parts, key=lambda part: part.first)
+    return _busy_bound_s([p.groups for p in ordered], [p.times for p in ordered], total_units)
+
+
 def even_layout(problem: Problem, groups: list[Group], heads, quantum: int):
     """Segments in proportion to group size (the first linearization's point); None when the
     sequence is too short for one quantum per rank."""

@@ -40,13 +40,16 @@ from hexiseq.search.greedy import (
     split_heads,
 )
 from hexiseq.search.local_milp import (
+    ClassPart,
     Group,
     GroupRates,
     busy_bound_s,
+    class_parts,
     even_layout,
     first_simulated_s,
     memory_may_bind,
     memory_rules_out_groups,
+    parts_bound_s,
     rates_of,
     relaxed_step_s,
 )
@@ -91,27 +94,35 @@ def grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], lis
 
 
 def _grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], list[list[int]]]:
-    speeds = problem.memo(("speeds", problem.train), lambda: attention_speeds(problem))
-    fastest = problem.memo(
-        ("speed by type", problem.train), lambda: speed_by_type(problem.cluster, speeds)
-    )
     groups = order_ring(
         problem.cluster,
         form_groups(problem.cluster, choices.hp_degrees),
         choices.ring_order,
-        fastest,
+        _speed_by_type(problem),
     )
+    return groups, [_group_heads(problem, group) for group in groups]
+
+
+def _speeds(problem: Problem) -> dict:
+    return problem.memo(("speeds", problem.train), lambda: attention_speeds(problem))
+
+
+def _speed_by_type(problem: Problem) -> dict[str, float]:
+    return problem.memo(
+        ("speed by type", problem.train), lambda: speed_by_type(problem.cluster, _speeds(problem))
+    )
+
+
+def _group_heads(problem: Problem, group: Group) -> list[int]:
+    """The heads of each member of `group` (by the members' speeds), once per step."""
     heads_of = problem.memo(("heads by group", problem.train), dict)  # one table per step
-    heads = []
-    for group in groups:
-        if group not in heads_of:
-            member_speeds = tuple(speeds[r] for r in group)
-            heads_of[group] = problem.memo(
-                ("heads", member_speeds),
-                lambda s=member_speeds: split_heads(problem.model.heads, s),
-            )
-        heads.append(heads_of[group])
-    return groups, heads
+    if group not in heads_of:
+        speeds = _speeds(problem)
+        member_speeds = tuple(speeds[r] for r in group)
+        heads_of[group] = problem.memo(
+            ("heads", member_speeds), lambda: split_heads(problem.model.heads, member_speeds)
+        )
+    return heads_of[group]
 
 
 def estimate_s(problem: Problem, choices: GlobalChoices) -> float:
@@ -131,8 +142,71 @@ def bound_s(problem: Problem, choices: GlobalChoices) -> float:
 
 
 def _bound_s(problem: Problem, choices: GlobalChoices) -> float:
+    parts = _parts_by_type(problem, choices)
+    if parts is not None:
+        return parts_bound_s(
+            parts, problem.train.seq_len // (2 * resolved_quantum(problem, choices))
+        )
     priced = _priced(problem, choices)
     return INFEASIBLE_S if priced is None else busy_bound_s(*priced)
+
+
+def _parts_by_type(problem: Problem, choices: GlobalChoices) -> list[ClassPart] | None:
+    """Every GPU type's classes at its HP degree (`local_milp.class_parts`), each type's
+    found once per search: a descent's move changes one type's degree, and this bound
+    needs no grouping of the whole ring (on 128 GPUs of 8 types it was most of a
+    descent's time). None where some group's rates are not known yet, or the sequence
+    cannot be laid out: `_priced` then prices the candidate (probing where it may)."""
+    problem = with_checkpointing(problem, choices.activation_checkpointing)
+    quantum = resolved_quantum(problem, choices)
+    if not _laid_out(problem, quantum):
+        return None
+    parts = []
+    for gpu, degree in choices.hp_degrees.items():
+        found = _type_parts(problem, gpu, degree, quantum, choices.ring_order)
+        if found is None:
+            return None
+        parts += found
+    return parts
+
+
+def _type_parts(
+    problem: Problem, gpu: str, degree: int, quantum: int, ring_order: str
+) -> list[ClassPart] | None:
+    """The classes of one GPU type's groups at HP degree `degree`, with their places in a
+    ring of `ring_order` (the nodes' order does not depend on the degrees); kept once every
+    group's rates are known (they never change: `_fill_from`)."""
+    key = ("type parts", problem.train, gpu, degree, quantum, ring_order)
+    found = problem.cache.get(key)
+    if found is not None:
+        return found
+    known, places = _known_rates(problem), _node_places(problem, ring_order)
+    by_node = form_groups(problem.cluster, dict.fromkeys(problem.cluster.gpu_types, degree))
+    groups, where = [], []
+    for node in problem.cluster.nodes:
+        if node.gpu != gpu:
+            continue
+        for index, group in enumerate(by_node[node.name]):
+            if group not in known:
+                return None
+            groups.append(group)
+            where.append((places[node.name], index))
+    heads = [_group_heads(problem, group) for group in groups]
+    found = class_parts(problem, groups, heads, where, [known[g] for g in groups], quantum)
+    problem.cache[key] = found
+    return found
+
+
+def _node_places(problem: Problem, ring_order: str) -> dict[str, int]:
+    """Each node's place in a ring of `ring_order` (`greedy.order_ring`: a node's groups
+    stay together, in the node's order)."""
+
+    def places() -> dict[str, int]:
+        nodes = {node.name: [node.name] for node in problem.cluster.nodes}
+        ordered = order_ring(problem.cluster, nodes, ring_order, _speed_by_type(problem))
+        return {name: place for place, name in enumerate(ordered)}
+
+    return problem.memo(("node places", problem.train, ring_order), places)
 
 
 def memory_binds(problem: Problem, choices: GlobalChoices) -> bool:
@@ -196,8 +270,7 @@ def _priced(problem: Problem, choices: GlobalChoices) -> tuple | None:
     alone rules the groups out."""
     problem = with_checkpointing(problem, choices.activation_checkpointing)
     quantum = resolved_quantum(problem, choices)
-    seq_len = problem.train.seq_len
-    if seq_len % (2 * quantum) or problem.cluster.world_size * 2 * quantum > seq_len:
+    if not _laid_out(problem, quantum):
         return None
     groups, heads = grouping(problem, choices)
     known = _known_rates(problem)
@@ -206,6 +279,12 @@ def _priced(problem: Problem, choices: GlobalChoices) -> tuple | None:
         return None  # nothing fits: no rates to probe for (a probe is a simulation)
     rates = group_rates(problem, groups, heads, quantum)
     return None if rates is None else (problem, groups, heads, quantum, rates)
+
+
+def _laid_out(problem: Problem, quantum: int) -> bool:
+    """Whether the sequence splits into chunks of `quantum` tokens, two per rank at least."""
+    seq_len = problem.train.seq_len
+    return seq_len % (2 * quantum) == 0 and problem.cluster.world_size * 2 * quantum <= seq_len
 
 
 def _probe(problem: Problem, degree: int, quantum: int) -> None:
