@@ -161,11 +161,14 @@ def _parts_by_type(problem: Problem, choices: GlobalChoices) -> list[ClassPart] 
     quantum = resolved_quantum(problem, choices)
     if not _laid_out(problem, quantum):
         return None
+    kept = problem.memo(("type parts", problem.train), dict)  # one table per step
     parts = []
     for gpu, degree in choices.hp_degrees.items():
-        found = _type_parts(problem, gpu, degree, quantum, choices.ring_order)
+        key = (gpu, degree, quantum, choices.ring_order)
+        found = kept.get(key) or _type_parts(problem, gpu, degree, quantum, choices.ring_order)
         if found is None:
             return None
+        kept[key] = found
         parts += found
     return parts
 
@@ -174,12 +177,8 @@ def _type_parts(
     problem: Problem, gpu: str, degree: int, quantum: int, ring_order: str
 ) -> list[ClassPart] | None:
     """The classes of one GPU type's groups at HP degree `degree`, with their places in a
-    ring of `ring_order` (the nodes' order does not depend on the degrees); kept once every
-    group's rates are known (they never change: `_fill_from`)."""
-    key = ("type parts", problem.train, gpu, degree, quantum, ring_order)
-    found = problem.cache.get(key)
-    if found is not None:
-        return found
+    ring of `ring_order` (the nodes' order does not depend on the degrees); None where some
+    group's rates are not known yet (once known, they never change: `_fill_from`)."""
     known, places = _known_rates(problem), _node_places(problem, ring_order)
     by_node = form_groups(problem.cluster, dict.fromkeys(problem.cluster.gpu_types, degree))
     groups, where = [], []
@@ -192,9 +191,7 @@ def _type_parts(
             groups.append(group)
             where.append((places[node.name], index))
     heads = [_group_heads(problem, group) for group in groups]
-    found = class_parts(problem, groups, heads, where, [known[g] for g in groups], quantum)
-    problem.cache[key] = found
-    return found
+    return class_parts(problem, groups, heads, where, [known[g] for g in groups], quantum)
 
 
 def _node_places(problem: Problem, ring_order: str) -> dict[str, int]:
