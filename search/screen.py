@@ -100,7 +100,8 @@ def _grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], li
         choices.ring_order,
         _speed_by_type(problem),
     )
-    return groups, [_group_heads(problem, group) for group in groups]
+    heads_of = _heads_by_group(problem)
+    return groups, [_group_heads(problem, group, heads_of) for group in groups]
 
 
 def _speeds(problem: Problem) -> dict:
@@ -113,9 +114,13 @@ def _speed_by_type(problem: Problem) -> dict[str, float]:
     )
 
 
-def _group_heads(problem: Problem, group: Group) -> list[int]:
-    """The heads of each member of `group` (by the members' speeds), once per step."""
-    heads_of = problem.memo(("heads by group", problem.train), dict)  # one table per step
+def _heads_by_group(problem: Problem) -> dict[Group, list[int]]:
+    return problem.memo(("heads by group", problem.train), dict)  # one table per step
+
+
+def _group_heads(problem: Problem, group: Group, heads_of: dict) -> list[int]:
+    """The heads of each member of `group` (by the members' speeds), once per step
+    (`heads_of`: `_heads_by_group`)."""
     if group not in heads_of:
         speeds = _speeds(problem)
         member_speeds = tuple(speeds[r] for r in group)
@@ -190,7 +195,8 @@ def _type_parts(
                 return None
             groups.append(group)
             where.append((places[node.name], index))
-    heads = [_group_heads(problem, group) for group in groups]
+    heads_of = _heads_by_group(problem)
+    heads = [_group_heads(problem, group, heads_of) for group in groups]
     return class_parts(problem, groups, heads, where, [known[g] for g in groups], quantum)
 
 
