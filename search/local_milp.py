@@ -232,8 +232,9 @@ def busy_bound_s(
 @dataclass(frozen=True)
 class ClassPart:
     """One class of interchangeable groups in a part of a ring (`class_parts`): where its
-    first group stands (any keys that sort as the ring's positions do), its groups, their
-    size, and its members' (seconds per segment unit, fixed seconds) as `_class_times`."""
+    first group stands (keys that sort as the ring's positions do), the class (its groups'
+    positions in the part, their size and heads) and its members' (seconds per segment
+    unit, fixed seconds) as `_class_times` gives them."""
 
     first: tuple
     groups: _Class  # its positions: in the part

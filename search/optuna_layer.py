@@ -1,18 +1,17 @@
 """Optuna layer: the study loop over the global choices (greedy -> MILP -> simulator each).
 
-A new study first scores the screened short list (`search.shortlist`: the greedy default first,
-so a search never returns worse than the hierarchy alone; from 128 GPUs a default whose first
-split simulates over twice as slow as the next candidate's plan is left out,
+A new study first scores the screened short list (`search.shortlist`: the greedy default
+first, so a search never returns worse than the hierarchy alone; from 128 GPUs a default whose
+first split simulates over twice as slow as the next candidate's plan is left out,
 `_default_outrun`: in all 720 regroupings measured, such a split meant a slower plan), then
-samples with seeded TPE for
-`n_trials` or `time_budget_s` (`search.sampling`: on an in-memory mirror of a stored study,
-scored in this process or in worker processes), and every single-objective search ends with the
-polish (`search.polish`), a deterministic local search from the best trials whose full
-evaluations are capped so the default search keeps its time goal. A storage URL (SQLite,
-PostgreSQL) keeps the study and lets a later run go on where an earlier one stopped: old trials
-are read back as their values, and only the plans reported (the best, the Pareto front) are
-rebuilt. With `multi_objective` the study trades throughput against the fullest device's memory
-headroom and returns the Pareto front.
+samples with seeded TPE for `n_trials` or `time_budget_s` (`search.sampling`: on an in-memory
+mirror of a stored study, scored in this process or in worker processes), and every
+single-objective search ends with the polish (`search.polish`), a deterministic local search
+from the best trials whose full evaluations are capped so the default search keeps its time
+goal. A storage URL (SQLite, PostgreSQL) keeps the study and lets a later run go on where an
+earlier one stopped: old trials are read back as their values, and only the plans reported
+(the best, the Pareto front) are rebuilt. With `multi_objective` the study trades throughput
+against the fullest device's memory headroom and returns the Pareto front.
 """
 
 from __future__ import annotations
@@ -197,9 +196,10 @@ def _default_outrun(problem: Problem, objective: Objective, waiting: list) -> bo
     """Whether the greedy default, first on the short list, is left out: where its first
     split (`screen.simulated_first_s`, which sees the ring's waits) simulates over
     HOPELESS_RATIO x the next candidate's estimate, that candidate is built first, and the
-    default goes where its first split is also over HOPELESS_RATIO x that plan's step. A
-    first split's step was at least 0.52x the full solve's in all of 720 polish
-    regroupings, so such a default runs slower than that plan. The default mixes HP degrees
+    default goes where its first split is also over HOPELESS_RATIO x that plan's step. The
+    full solve's step was at least 0.52x its first split's in all of 720 polish
+    regroupings (`polish.POLISH_FIRST_SLACK`), so such a default runs slower than that
+    plan (built anyway on the two cells below, 2.4 and 2.8x). The default mixes HP degrees
     by speed, and the estimate prices such a ring as if its groups waited for nothing: on
     128 GPUs of 8 types it estimates 21.4 s and runs 59.6 s, beside 21.0 s for uniform HP 8.
     Only on clusters of DEFAULT_CHECKED_FROM devices or more."""
