@@ -252,17 +252,11 @@ def class_parts(
     """The classes of `groups` (a part of a ring no class of the rest shares: one GPU
     type's groups) with their times, each group at its place in the ring (`places`).
     `parts_bound_s` of every part of a ring is `busy_bound_s` of the ring."""
-    kind_of = problem.memo("rank kinds", lambda: _rank_kinds(problem.cluster))
-    members: dict[tuple, list[int]] = {}
-    for index, group in enumerate(groups):
-        kind = tuple(map(kind_of.__getitem__, group))
-        members.setdefault((kind, tuple(heads[index])), []).append(index)
-    parts = []
-    for (_, member_heads), indices in members.items():
-        cls = _Class(tuple(indices), len(groups[indices[0]]), member_heads)
-        (times,) = _class_times([cls], rates, quantum)
-        parts.append(ClassPart(min(places[i] for i in indices), cls, times))
-    return parts
+    classes = _new_classes(problem, groups, heads)
+    return [
+        ClassPart(min(places[p] for p in cls.positions), cls, times)
+        for cls, times in zip(classes, _class_times(classes, rates, quantum))
+    ]
 
 
 def parts_bound_s(parts: list[ClassPart], total_units: int) -> float:
