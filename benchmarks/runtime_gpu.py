@@ -171,13 +171,21 @@ def one_device_plan(gpu: str, model: ModelSpec, seq_len: int, checkpointing: boo
 
 
 def run_hexiseq(
-    plan_path: Path, store_url: str, device: str, steps: int, limits: dict, compiled: bool
+    plan_path: Path,
+    store_url: str,
+    device: str,
+    steps: int,
+    limits: dict,
+    compiled: bool,
+    trace: Path | None = None,
 ):
-    """Run the plan under torchrun as a user does; its rows from the store (`side_result`)."""
+    """Run the plan under torchrun as a user does; its rows from the store (`side_result`).
+    With `trace`, its last step's Chrome trace is written there (`--torch-profile`)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     command += ["--nproc-per-node", "1", "-m", "hexiseq.runtime.train", "--plan", str(plan_path)]
     command += ["--steps", str(steps), "--store", store_url, "--device", device]
     command += ["--compile"] if compiled else []
+    command += ["--torch-profile", str(trace)] if trace is not None else []
     outcome = _run(command, **limits)
     rows = []
     with Store.open(store_url) as store:
@@ -191,9 +199,13 @@ def run_hexiseq(
     return result
 
 
-def run_reference(plan_path: Path, device: str, steps: int, limits: dict) -> dict:
-    """Run the transformers reference in a subprocess of this script."""
+def run_reference(
+    plan_path: Path, device: str, steps: int, limits: dict, trace: Path | None = None
+) -> dict:
+    """Run the transformers reference in a subprocess of this script (with `trace`, its last
+    step's Chrome trace written there)."""
     command = [sys.executable, str(SCRIPT), "--reference-worker", str(plan_path)]
+    command += ["--trace-dir", str(trace)] if trace is not None else []
     outcome = _run([*command, "--steps", str(steps), "--device", device], **limits)
     found = _result_line(outcome["output"]) or {}
     if found.get("error"):
@@ -261,11 +273,15 @@ def _error_line(output: str) -> str:
 # --- the reference worker (a subprocess) ----------------------------------------------------
 
 
-def reference_worker(plan_path: str, steps: int, device_kind: str) -> dict:
+def reference_worker(
+    plan_path: str, steps: int, device_kind: str, trace: str | None = None
+) -> dict:
     """Train the transformers twin of the plan's model `steps` steps on the runtime's tokens;
-    what was measured (an OOM ends it with an "error")."""
+    what was measured (an OOM ends it with an "error"). With `trace`, the last step runs
+    under torch.profiler and its Chrome trace is written there."""
     import torch
 
+    from hexiseq.runtime._torch_profile import profiled_step
     from hexiseq.runtime.train import step_tokens
 
     plan = Plan.from_json(plan_path)
@@ -278,7 +294,9 @@ def reference_worker(plan_path: str, steps: int, device_kind: str) -> dict:
     try:
         for step in range(steps):
             tokens = step_tokens(plan, 0, step).to(device)  # the runtime's seed 0
-            seconds, peak, loss = _reference_step(model, optimizer, tokens, device)
+            profile_to = trace if step == steps - 1 else None
+            with profiled_step(profile_to, 0, device):
+                seconds, peak, loss = _reference_step(model, optimizer, tokens, device)
             result["step_times_s"].append(seconds)
             result["peaks"].append(peak)
             result["losses"].append(loss)
@@ -376,13 +394,23 @@ def measure(args: argparse.Namespace, device_kind: str, gpu: str, on_row) -> lis
                 path, store = Path(scratch, f"{name}.json"), f"sqlite:///{scratch}/{name}.db"
                 plan.to_json(path)
                 row |= predicted_fields(plan)
-                row["hexiseq"] = run_hexiseq(path, store, device_kind, steps, limits, args.compile)
+                traces = _trace_paths(args.trace_dir, name)
+                row["hexiseq"] = run_hexiseq(
+                    path, store, device_kind, steps, limits, args.compile, traces[0]
+                )
                 if with_reference:
-                    row["reference"] = run_reference(path, device_kind, steps, limits)
+                    row["reference"] = run_reference(path, device_kind, steps, limits, traces[1])
             print(_progress(row, args.warmup), flush=True)
             rows.append(row)
             on_row(rows)
     return rows
+
+
+def _trace_paths(trace_dir: Path | None, name: str) -> tuple[Path | None, Path | None]:
+    """Where each side's Chrome trace goes (`--trace-dir`), or none."""
+    if trace_dir is None:
+        return None, None
+    return trace_dir / f"hexiseq-{name}.json.gz", trace_dir / f"reference-{name}.json.gz"
 
 
 CHECKPOINTING = {"both": (False, True), "off": (False,), "on": (True,)}
@@ -719,6 +747,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     add("--save-json", type=Path, metavar="PATH", help="also write the raw rows here")
     add(
+        "--trace-dir",
+        type=Path,
+        metavar="DIR",
+        help="write each side's last step as a Chrome trace (torch.profiler) into DIR, for "
+        "benchmarks/step_trace.py; that step's time then includes the profiler's overhead",
+    )
+    add(
         "--from-json",
         type=Path,
         nargs="+",
@@ -742,7 +777,8 @@ def main(argv: list[str]) -> int:
         print(RESULT_PREFIX + json.dumps(probe_device()))
         return 0
     if args.reference_worker:
-        result = reference_worker(args.reference_worker, args.steps, args.device)
+        trace = None if args.trace_dir is None else str(args.trace_dir)
+        result = reference_worker(args.reference_worker, args.steps, args.device, trace)
         print(RESULT_PREFIX + json.dumps(result))
         return 0
     if args.from_json:

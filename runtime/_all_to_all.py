@@ -33,6 +33,12 @@ class AllToAllPlan:
         return self.routes.member_index
 
     @property
+    def alone(self) -> bool:
+        """A one-member group: it holds every head of its own tokens, so both forms are the
+        same tensors (no copy, no FP32 sum)."""
+        return len(self.routes.members) == 1
+
+    @property
     def by_group_rank(self) -> list[int]:
         """Member indices in process-group rank order (new_group numbers ranks sorted)."""
         members = self.routes.members
@@ -51,6 +57,8 @@ def sequence_to_heads(
 ) -> list[torch.Tensor]:
     """Each tensor (B, T_me, H_t, D) -> (B, S_g, width of ranges[t][me], D); member j receives
     heads ranges[t][j] of every tensor t."""
+    if plan.alone:
+        return list(tensors_BTHD)
     me = plan.member_index
     sends = [
         [x[:, :, slice(*r[j])] for x, r in zip(tensors_BTHD, ranges)] for j in plan.by_group_rank
@@ -76,6 +84,8 @@ def heads_to_sequence(
 ) -> list[torch.Tensor]:
     """Inverse of `sequence_to_heads`: each (B, S_g, width, D) -> (B, T_me, total_heads[t], D),
     summing pieces whose head ranges overlap (GQA boundary K/V heads), in fp32."""
+    if plan.alone:
+        return list(tensors_BSHD)
     me, offsets = plan.member_index, plan.token_offsets()
     tokens = plan.routes.member_tokens
     sends = [

@@ -18,7 +18,15 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from hexiseq.runtime._block import OnlineSoftmax, attend_block, block_gradients, expansion_index
+from hexiseq.runtime._block import (
+    HeadExpansion,
+    OnlineSoftmax,
+    RowSum,
+    attend_block,
+    block_gradients,
+    expansion_index,
+    head_expansion,
+)
 from hexiseq.runtime._emulation import compute_phase
 from hexiseq.runtime._p2p import (
     DKV_TAG,
@@ -35,7 +43,7 @@ from hexiseq.runtime._tiles import Tile, block_tiles, sorted_ranges
 
 
 class RingContext:
-    """What one rank needs to run the ring for a layout: routes, tiles, orders, GQA index."""
+    """What one rank needs to run the ring for a layout: routes, tiles, orders, GQA expansion."""
 
     def __init__(
         self, routes: RankRoutes, gqa_ratio: int, group: dist.ProcessGroup | None = None
@@ -46,7 +54,6 @@ class RingContext:
         own_order = routes.segment_orders[routes.group_index]
         self._order = _sorting_order(own_order)  # None when already sorted
         self._expansion = expansion_index(routes.heads, routes.kv_heads, gqa_ratio)
-        self._identity_expansion = self._expansion == list(range(len(self._expansion)))
         sorted_segments = [sorted_ranges(order) for order in routes.segment_orders]
         query_ranges = sorted_segments[routes.group_index]
         self._tiles = {
@@ -63,17 +70,15 @@ class RingContext:
         return self._tiles[causal][self.routes.block_owner(step)]
 
     def indices(self, device: torch.device) -> RingIndices:
-        """The index tensors on `device` (built once per device)."""
+        """The index tensors and head expansion on `device` (built once per device)."""
         if device not in self._indices:
 
             def index(values: list[int] | None) -> torch.Tensor | None:
                 return None if values is None else torch.tensor(values, device=device)
 
             inverse = None if self._order is None else _inverse(self._order)
-            expansion = None if self._identity_expansion else self._expansion
-            self._indices[device] = RingIndices(
-                index(self._order), index(inverse), index(expansion)
-            )
+            expansion = head_expansion(self._expansion, device)
+            self._indices[device] = RingIndices(index(self._order), index(inverse), expansion)
         return self._indices[device]
 
 
@@ -82,13 +87,13 @@ class RingIndices(NamedTuple):
 
     order: torch.Tensor | None  # member order -> sorted by position
     inverse: torch.Tensor | None  # sorted -> member order
-    expansion: torch.Tensor | None  # query head -> the rank's K/V head it uses
+    expansion: HeadExpansion  # the rank's K/V heads -> one per query head, and back
 
 
 def ring_forward(
     ring: RingContext, q_BHLD: torch.Tensor, kv_2BHSD: torch.Tensor, causal: bool, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the rank's queries over the whole sequence: (out fp32, lse fp32)."""
+    """Attention of the rank's queries over the whole sequence: (out in q's dtype, lse fp32)."""
     merged = OnlineSoftmax(q_BHLD)
     expansion = ring.indices(q_BHLD.device).expansion
     block = kv_2BHSD
@@ -98,7 +103,7 @@ def ring_forward(
             attend_block(merged, q_BHLD, block, ring.tiles(step, causal), expansion, scale)
         if exchange is not None:
             block = assemble_heads(exchange.wait())
-    return merged.out_BHLD, merged.lse_BHL
+    return merged.output(q_BHLD.dtype), merged.lse_BHL
 
 
 def ring_backward(
@@ -108,15 +113,16 @@ def ring_backward(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(dQ fp32, dK/dV of the rank's own block fp32) from `saved` = (dout, q, out, lse)."""
-    dq_BHLD = torch.zeros(saved[1].shape, device=kv_2BHSD.device)
+    """(dQ, dK/dV of the rank's own block fp32) from `saved` = (dout, q, out, lse); dQ is fp32,
+    or the kernel's dtype where one tile gave all of it (`RowSum`)."""
+    dq = RowSum(saved[1].shape, kv_2BHSD.device)
     expansion = ring.indices(kv_2BHSD.device).expansion
     block, home_dkv, travelling = kv_2BHSD, None, None
     for step in range(ring.num_steps):
         exchange = _post_kv_hop(ring, block, step)
         tiles = ring.tiles(step, causal)
         with compute_phase():
-            partial = block_gradients(dq_BHLD, saved, block, tiles, expansion, scale)
+            partial = block_gradients(dq, saved, block, tiles, expansion, scale)
         if step == 0:
             home_dkv = partial  # the owner's own share stays home
         else:
@@ -128,7 +134,7 @@ def ring_backward(
             block = assemble_heads(exchange.wait())
     if travelling is not None:  # this rank's block is back with everyone's contributions
         _add_runs(home_dkv, travelling.wait(), ring.routes.kv_heads)
-    return dq_BHLD, home_dkv
+    return dq.finish(), home_dkv
 
 
 def _post_kv_hop(ring: RingContext, block_2BHSD: torch.Tensor, step: int) -> Exchange | None:
@@ -218,7 +224,6 @@ class RingAttention(torch.autograd.Function):
         q_BHLD = _to_sorted(q_BLHD, indices.order)
         kv_2BHSD = _to_sorted(torch.stack([k_BLHD, v_BLHD]), indices.order, dim=2)
         out_BHLD, lse_BHL = ring_forward(ring, q_BHLD, kv_2BHSD, causal, scale)
-        out_BHLD = out_BHLD.to(q_BLHD.dtype)
         ctx.save_for_backward(q_BHLD, kv_2BHSD, out_BHLD, lse_BHL)
         ctx.ring, ctx.causal, ctx.scale = ring, causal, scale
         return _from_sorted(out_BHLD, indices.inverse)

@@ -1,4 +1,6 @@
-"""`hexiseq.runtime.train --torch-profile PATH`: one step under torch.profiler, as a table.
+"""`hexiseq.runtime.train --torch-profile PATH`: one step under torch.profiler, as a table, or as
+a Chrome trace when PATH ends in `.json` or `.json.gz` (every operator and kernel on its
+timeline: `benchmarks/step_trace.py` reads the device's busy and idle time from it).
 
 The table lists the step's operators by self device time (self CPU time on a CPU rank), the
 figures the cost model's terms are checked against (matmuls, attention kernels, AdamW,
@@ -16,6 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 ROW_LIMIT = 60
+TRACE_SUFFIXES = (".json", ".json.gz")
 
 
 def profile_path(path: str, rank: int) -> Path:
@@ -32,6 +35,10 @@ def profiled_step(path: str | None, rank: int, device: torch.device) -> Iterator
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as profiler:
         yield
+    target = profile_path(path, rank)
+    if target.name.endswith(TRACE_SUFFIXES):
+        profiler.export_chrome_trace(str(target))  # gzipped by torch for a .gz name
+        return
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
     table = profiler.key_averages().table(sort_by=sort_by, row_limit=ROW_LIMIT)
-    profile_path(path, rank).write_text(table + "\n")
+    target.write_text(table + "\n")

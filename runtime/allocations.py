@@ -201,6 +201,7 @@ def measure_step_allocations(
         for step in range(2):
             tracker.phases.clear()
             tokens = training.step_tokens(plan, 0, step)
+            training.collect_garbage()
             with training.collector_paused():  # as `train` runs its steps
                 training.run_step(
                     plan, context, model, optimizer, ComputePadding(model, 1.0), tokens,

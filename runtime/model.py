@@ -86,11 +86,46 @@ def rope_tables(
 
 
 def apply_rope(x_BTHD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + D/2) pair of x by its token's angle."""
+    """Rotate each (i, i + D/2) pair of x by its token's angle (`RotaryEmbedding`)."""
+    return RotaryEmbedding.apply(x_BTHD, cos_TD, sin_TD)
+
+
+def rotate_pairs(
+    x_BTHD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor, sign: int
+) -> torch.Tensor:
+    """x rotated by +angle (sign 1) or -angle (sign -1), pair (i, i + D/2) by pair: with
+    x = (a, b), (a cos - sign b sin, b cos + sign a sin). The tables repeat their D/2 angles
+    in both halves (`rope_tables`). Four kernels: two products, two in-place halves."""
     half = x_BTHD.shape[-1] // 2
-    rotated = torch.cat([-x_BTHD[..., half:], x_BTHD[..., :half]], dim=-1)
     cos, sin = cos_TD[None, :, None, :], sin_TD[None, :, None, :]
-    return x_BTHD * cos + rotated * sin
+    out, by_sin = x_BTHD * cos, x_BTHD * sin
+    if sign > 0:
+        out[..., :half] -= by_sin[..., half:]
+        out[..., half:] += by_sin[..., :half]
+    else:
+        out[..., :half] += by_sin[..., half:]
+        out[..., half:] -= by_sin[..., :half]
+    return out
+
+
+class RotaryEmbedding(torch.autograd.Function):
+    """RoPE with an explicit backward: the rotation's transpose is the rotation by -angle, so
+    dx = rotate(dy, -angle), and only the tables are saved. Autograd's own backward of the
+    rotate-half form runs a zero-filled slice backward per half on top (on an H200 RoPE was
+    about 25 ms of a 0.71 s step of the 3B model at 8K tokens)."""
+
+    @staticmethod
+    def forward(
+        ctx, x_BTHD: torch.Tensor, cos_TD: torch.Tensor, sin_TD: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(cos_TD, sin_TD)
+        ctx.input_dtype = x_BTHD.dtype
+        return rotate_pairs(x_BTHD, cos_TD, sin_TD, sign=1)
+
+    @staticmethod
+    def backward(ctx, dy_BTHD: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        cos_TD, sin_TD = ctx.saved_tensors
+        return rotate_pairs(dy_BTHD, cos_TD, sin_TD, sign=-1).to(ctx.input_dtype), None, None
 
 
 class SelfAttention(nn.Module):

@@ -106,10 +106,14 @@ class ShardedUnit:
         """The unit's whole flat weight in the compute dtype (collective), kept until
         `release`."""
         if self._buffer is None:
-            shard = self.master.detach().to(self.compute_dtype)
-            buffer = torch.empty(self.numel, dtype=self.compute_dtype, device=shard.device)
-            with communication_phase():  # an emulated slower device waits, not computes
-                _all_gather_uneven(buffer, shard, self.counts, self.rank, self.group)
+            master = self.master.detach()
+            buffer = torch.empty(self.numel, dtype=self.compute_dtype, device=master.device)
+            if len(self.counts) == 1:  # the whole unit: cast straight into the buffer
+                buffer.copy_(master)
+            else:
+                shard = master.to(self.compute_dtype)
+                with communication_phase():  # an emulated slower device waits, not computes
+                    _all_gather_uneven(buffer, shard, self.counts, self.rank, self.group)
             self._buffer = buffer
             self.gathers += 1
         return self._buffer
@@ -193,7 +197,9 @@ class _Gather(torch.autograd.Function):
         if unit.keep_gathered:  # the root: its backward is the last use
             unit.bind(None)
         unit.release()  # before the FP32 buffer: the two never coexist
-        flat = torch.zeros(unit.numel, dtype=torch.float32, device=unit.master.device)
+        every = all(grad is not None for grad in grads)  # then every element is written
+        fill = torch.empty if every else torch.zeros
+        flat = fill(unit.numel, dtype=torch.float32, device=unit.master.device)
         for place, grad in zip(unit.places, grads, strict=True):
             if grad is not None:
                 flat[place.offset : place.offset + place.numel].copy_(grad.reshape(-1))

@@ -227,7 +227,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainOptions:
         "--torch-profile",
         metavar="PATH",
         help="profile the last step with torch.profiler and write its operator table "
-        "(self device time first) to PATH (rank r > 0: PATH.rank<r>)",
+        "(self device time first) to PATH, or its Chrome trace when PATH ends in .json or "
+        ".json.gz (rank r > 0: PATH.rank<r>)",
     )
     _add_supervision_flags(parser)
     args = parser.parse_args(argv)
@@ -480,7 +481,10 @@ def run_steps(
     gpu = GpuPhases() if options.watches_drift and context.device.type == "cuda" else None
     padding = ComputePadding(model, context.slowdown, timed=options.watches_drift, gpu=gpu)
     try:
-        return _steps(plan, options, context, store, run_id, first_step, model, optimizer, padding)
+        with frozen_setup():
+            return _steps(
+                plan, options, context, store, run_id, first_step, model, optimizer, padding
+            )
     finally:
         padding.remove()
 
@@ -757,15 +761,34 @@ def step_tokens(plan: Plan, seed: int, step: int) -> torch.Tensor:
 
 @contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off during a step, run once before it: collections
-    then never pause a step at a random moment, and what a step holds does not depend on
-    when one happens (as torchtitan's training loop does)."""
-    gc.collect()
+    """Python's cyclic garbage collector off during a step: collections then never pause a
+    step at a random moment, and what a step holds does not depend on when one happens (as
+    torchtitan's training loop does). `collect_garbage` runs one before the step's clock."""
     gc.disable()
     try:
         yield
     finally:
         gc.enable()
+
+
+def collect_garbage() -> None:
+    """One full collection before a step, outside its measured time. `frozen_setup` moved
+    the objects of the build out of the collector's reach, so it visits only what the steps
+    made (on an H200 a collection inside the step, the model's objects included, left the
+    GPU idle for 146 ms of a 0.71 s step)."""
+    gc.collect()
+
+
+@contextmanager
+def frozen_setup() -> Iterator[None]:
+    """The objects alive now (modules, parameters, the optimizer, imported libraries) frozen
+    out of the cyclic collector for the block (`gc.freeze`), unfrozen after it."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def measure_step(
@@ -785,6 +808,7 @@ def measure_step(
     if cuda:
         torch.cuda.reset_peak_memory_stats(context.device)
         events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    collect_garbage()
     dist.barrier()
     if cuda:
         torch.cuda.synchronize(context.device)

@@ -168,3 +168,35 @@ def test_the_former_recipe_keeps_autograds_norm_and_swiglu_with_the_same_values(
     b.square().mean().backward()
     for (name, p), q in zip(ours.named_parameters(), former.parameters()):
         assert relative_error(p.grad, q.grad) <= 1e-5, name
+
+
+def test_rms_norm_falls_back_to_the_math_where_no_fused_backward_runs():
+    from hexiseq.runtime import _elementwise
+
+    assert _elementwise.fused_rms_norm_available("cpu") is False  # torch's CPU build: forward only
+    x, weight, _ = rms_norm_case()
+    fused_if_any = _elementwise.rms_norm_forward(x, weight, 1e-5)
+    math = _elementwise.rms_norm_forward_math(x, weight, 1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(fused_if_any, math))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rms_norm_on_cuda_matches_the_math(dtype):
+    from hexiseq.runtime import _elementwise
+
+    if not torch.cuda.is_available() or not _elementwise.fused_rms_norm_available("cuda"):
+        pytest.skip("no CUDA device, or this torch has no fused RMSNorm kernels on it")
+    generator = torch.Generator().manual_seed(7)
+    x = (3 * torch.randn(2, 301, 3072, generator=generator) + 1).to("cuda", dtype)
+    weight = (1 + 0.3 * torch.randn(3072, generator=generator)).to("cuda", dtype)
+    dy = torch.randn(2, 301, 3072, generator=generator).to("cuda", dtype)
+    y, rstd = _elementwise.rms_norm_forward(x, weight, 1e-5)
+    y_math, rstd_math = _elementwise.rms_norm_forward_math(x, weight, 1e-5)
+    dx, dweight = _elementwise.rms_norm_backward(dy, x, weight, rstd)
+    dx_math, dweight_math = _elementwise.rms_norm_backward_math(dy, x, weight, rstd_math)
+    bound = 1e-5 if dtype == torch.float32 else 1e-2  # bf16 outputs: one rounding apart
+    assert (y.dtype, dx.dtype, rstd.dtype) == (dtype, dtype, torch.float32)
+    assert relative_error(rstd, rstd_math) <= 1e-6
+    for got, want in ((y, y_math), (dx, dx_math), (dweight, dweight_math)):
+        assert relative_error(got, want) <= bound
