@@ -518,6 +518,27 @@ def render(report: dict) -> str:
     return "\n".join([*lines, "", *_notes(report, model), *_prediction_table(report)])
 
 
+PREDICTED_BY_RUN = "datasheet cost model, as planned for the run"
+
+
+def repredict(report: dict) -> dict:
+    """`report` with every row's predictions made again by this hexiseq: the same one-device
+    plan search (`one_device_plan` on the row's catalog GPU, length and checkpointing), so a
+    model change can be held against measurements taken before it."""
+    model = ModelSpec.preset(report["meta"]["model"])
+    gpu = report["meta"]["gpu"] or "H100-SXM"
+    for row in report["rows"]:
+        if "predicted_peak_bytes" not in row:
+            continue
+        plan, _ = one_device_plan(gpu, model, row["seq_len"], row["checkpointing"], True)
+        row.update(predicted_fields(plan))
+    report["meta"]["predicted_by"] = (
+        f"datasheet cost model of hexiseq {_commit()}, re-planned for the rows measured by "
+        f"hexiseq {report['meta']['commit']} (`--repredict`)"
+    )
+    return report
+
+
 def _prediction_table(report: dict) -> list[str]:
     """The plan's predictions against hexiseq's measured step and peak (issue 11), for rows
     saved with them. The allocated peak is compared without the model's `reserve` term (the
@@ -530,7 +551,8 @@ def _prediction_table(report: dict) -> list[str]:
         return []
     lines = [
         "",
-        "Predicted by the plan (datasheet cost model) against measured, hexiseq's side:",
+        f"Predicted by the plan ({report['meta'].get('predicted_by', PREDICTED_BY_RUN)}) "
+        "against measured, hexiseq's side:",
         "",
         "| tokens | ckpt | predicted s | measured s | measured / predicted | predicted "
         "allocated GiB | measured GiB | error | with reserve: % of card | with reserve GiB "
@@ -760,6 +782,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="PATH",
         help="render saved rows (several files merged) instead of measuring",
     )
+    add(
+        "--repredict",
+        action="store_true",
+        help="with --from-json: the predictions of this hexiseq's model for the saved rows "
+        "(plans made again), not those stored when they ran",
+    )
     add("--reference-worker", metavar="PLAN", help=argparse.SUPPRESS)
     add("--probe-device", action="store_true", help=argparse.SUPPRESS)
     add("--device", help=argparse.SUPPRESS)
@@ -783,6 +811,8 @@ def main(argv: list[str]) -> int:
         return 0
     if args.from_json:
         report = _merge([json.loads(path.read_text()) for path in args.from_json])
+        if args.repredict:
+            report = repredict(report)
         if report["meta"]["commit"] == UNKNOWN_COMMIT:  # measured on a copy without .git
             report["meta"]["commit"] = f"{_commit()} (the tree that rendered it)"
     elif importlib.util.find_spec("transformers") is None:

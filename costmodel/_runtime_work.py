@@ -1,33 +1,34 @@
 """The bandwidth-bound work of a training step as the torch runtime really does it.
 
 Beyond the GEMMs and the attention kernels, a step of `hexiseq.runtime` runs many elementwise
-kernels; on an H100 they take a third of the step (../shared/data/h100-3b-8k-step-profile.txt).
-This module counts, per token (or per parameter), the bytes they read and write and how many
-kernels they launch, from what `runtime/model.py`, `runtime/loss.py`, `runtime/_ring.py`,
-`runtime/_block.py` and `runtime/train.py` do:
+kernels. This module counts, per token (or per parameter), the bytes they read and write and
+how many kernels they launch, from what `runtime/model.py`, `runtime/_elementwise.py`,
+`runtime/loss.py`, `runtime/_all_to_all.py`, `runtime/_ring.py`, `runtime/_block.py` and
+`runtime/train.py` do, per rank (`RankKernels`):
 
-- the residual stream is fp32 (the embedding output is fp32; weights are fp32 under bf16
-  autocast), RMSNorm computes in fp32 (pow, mean, rsqrt, two muls), RoPE is unfused (neg, cat,
-  two muls promoted to fp32 by the fp32 tables, add, cast back), SwiGLU is unfused (silu, mul);
-- autocast casts each linear's fp32 input to bf16 at every call (q, k, v, gate, up: five
-  casts of the normed activations) and each fp32 weight at every use: forward, the
-  checkpoint's recompute, and the cast's backward turns the bf16 weight gradient into fp32;
-- inside attention the runtime transposes q, k, v to head-major, expands K/V for GQA, merges
-  tile results into an fp32 online softmax and casts back (backward: fp32 dQ, dK/dV
-  accumulators, the GQA reduction, casts back);
+- RMSNorm: ATen's fused kernels on a GPU (one pass each way), its FP32 math in plain
+  operations on a CPU rank; RoPE: two products and two in-place half updates each way (its
+  explicit backward rotates by the opposite angle); SwiGLU: silu and a product, its backward
+  `runtime/_elementwise.py`'s; residual sums in the stream's dtype;
+- the sharded recipe gathers each unit in the compute dtype, so nothing is cast per use; the
+  former `autocast` recipe cast each linear's FP32 input and weight at every call;
+- inside attention: q, k, v to head-major, K/V expanded for GQA by a broadcast copy; with one
+  HP group member the all-to-all moves nothing, with one ring group nothing is merged (the
+  block's result is the output, the kernel's dQ the gradient); each later ring step's result
+  is merged into an FP32 state, and each tile's dK/dV are summed over the query heads of a
+  K/V head into the block's FP32 partial;
 - the loss runs the LM head and the cross-entropy a chunk of tokens at a time
   (`hexiseq.loss_chunks`): each chunk's logits are upcast to fp32, softmax and gradient are
   made in place and cast back, and the weight gradient is accumulated in fp32 (`loss_work`,
   `head_gemm_work`);
-- AdamW (torch's default foreach implementation, fp32 params, grads and states).
+- AdamW: fused over the shards (the former recipe: torch's foreach implementation).
 
 Elements: E hidden, F MLP width, Q = heads x head_dim, K = kv_heads x head_dim, V vocabulary.
-`c` is the compute dtype's element size, `r` the residual stream's (fp32: the runtime keeps
-fp32 weights). Bytes are the sum over kernels of what each reads plus writes. Counts of the
-backward follow autograd's kernels (one per derivative formula term), except the sharded
-recipe's RMSNorm and SwiGLU, whose backward is `runtime/_elementwise.py`'s. Where c = r (an
-fp32 run) the casts vanish. `benchmarks/step_census.py` counts a block's operators in the
-runtime itself: these counts are 87-88 % of its bytes and 96-98 % of its kernels.
+`c` is the compute dtype's element size, `s` the residual stream's. Bytes are the sum over
+kernels of what each reads plus writes. `benchmarks/step_census.py` counts a block's operators
+in the runtime itself on one CPU rank: these counts are 97 % of its bytes and 96-99 % of its
+kernels (RESULTS.md `step_census`). On an H200 the step times they give are within 10 % of
+the runtime's (profiles/h200-2026-11-27).
 """
 
 from __future__ import annotations
@@ -126,67 +127,118 @@ def _widths(model: ModelSpec) -> tuple[int, int, int, int]:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class RankKernels:
+    """What decides a rank's elementwise kernels beyond the model and the dtypes."""
+
+    fused_norm: bool = False
+    """RMSNorm by ATen's fused kernels (`runtime/_elementwise.py`: on CUDA), else its math in
+    plain tensor operations (a CPU rank)."""
+    ring_steps: int = 1
+    """HP groups in the ring: a rank's queries get one block result per group; the first is
+    taken as it is, each later one merged (`runtime/_block.py` `OnlineSoftmax`, `RowSum`)."""
+    alone: bool = True
+    """A one-member HP group: the all-to-all is the identity (`runtime/_all_to_all.py`)."""
+
+
+def rank_kernels(gpu: str, ring_steps: int, hp_degree: int) -> RankKernels:
+    """The `RankKernels` of a rank on catalog GPU `gpu` (`"cpu"`: a CPU rank)."""
+    return RankKernels(gpu != "cpu", int(ring_steps), int(hp_degree) == 1)
+
+
+NORM_FUSED_FORWARD = (2, 1)
+"""ATen's `_fused_rms_norm` (aten/src/ATen/native/cuda/layer_norm_kernel.cu, the RMS path):
+(reads + writes in units of the stream's element per hidden element, kernels): x in, y out."""
+NORM_FUSED_BACKWARD = (5, 2)
+"""`_fused_rms_norm_backward`: the input-gradient kernel reads dy and x and writes dx, the
+weight-gradient kernel reads dy and x again."""
+
+
 def block_elementwise_per_token(
-    model: ModelSpec, dtypes: RuntimeDtypes, *, backward: bool
+    model: ModelSpec,
+    dtypes: RuntimeDtypes,
+    *,
+    backward: bool,
+    rank: RankKernels = RankKernels(),
 ) -> Work:
     """One decoder block's elementwise kernels per token, forward or backward (casts apart).
-    RMSNorm computes in FP32 whatever the stream (`runtime/model.py`): a stream in the compute
-    dtype adds its upcast and its output's cast back (two kernels a norm, each way)."""
+    RMSNorm: fused (one pass of the stream each way, `NORM_FUSED_*`), or its math in FP32
+    whatever the stream (`runtime/_elementwise.py`): a stream in the compute dtype adds its
+    upcast and its output's cast back. RoPE: two products and two in-place half updates each
+    way (`runtime/model.py` `rotate_pairs`), on q and k."""
     e, f, q, k = _widths(model)
-    c, s, r = dtypes.compute, dtypes.stream, FP32
-    gqa = model.gqa_ratio > 1
-    norm_casts = 0 if s == FP32 else 2 * 2 * (s + FP32) * e
-    norm_cast_kernels = 0 if s == FP32 else 2 * 2
+    c, s = dtypes.compute, dtypes.stream
+    norms = _norm_work(e, dtypes, backward=backward, fused=rank.fused_norm)
+    rope = Work(7 * max(c, s) * (q + k), 8)
     if not backward:
-        norms = 2 * 7 * r * e + norm_casts  # pow (2), mean (1), x*rsqrt (2), *weight (2)
-        rope = (6 * c + 6 * s) * (q + k)  # neg, cat, *cos, *sin (promoted to s), add, cast
-        residual = 2 * (2 * s + c) * e  # x + the branch -> the stream's dtype
-        swiglu = 5 * c * f  # silu (2), mul (3)
-        attention = _attention_forward_bytes(q, k, c, r, gqa)
-        kernels = 2 * 6 + norm_cast_kernels + 2 * 6 + 2 + 2 + 23
-        return Work(norms + rope + residual + swiglu + attention, kernels)
-    if dtypes.sharded:  # `runtime/_elementwise.py` (`rms_norm_backward`, `swiglu_backward`)
-        casts = 3 * (s + FP32) * e if s != FP32 else 0  # x and dy up, dx back
-        norms = 2 * (76 * e + casts)  # x*rstd, dy*n, sum, dy*w, g*n, mean, n*=, g-=, g*=rstd
-        weight_casts = 2 if c != FP32 else 0  # the gathered weight up, its gradient back
-        norm_kernels = 2 * (9 + (3 if s != FP32 else 0) + weight_casts)
-        swiglu = 11 * c * f  # dP * up, silu_backward, silu(gate), its product with dP
-        swiglu_kernels = 4
-    else:  # autograd's FP32 norm and SwiGLU (the former recipe)
-        norms = 2 * 16 * r * e + norm_casts  # mul/weight-grad, x*rsqrt, rsqrt-grad, mean/pow, sum
-        norm_kernels = 2 * 10 + norm_cast_kernels
-        swiglu = 9 * c * f  # mul backward (two products), silu backward
-        swiglu_kernels = 3
-    rope = 7 * (s + c) * (q + k)  # cast back, *cos, *sin (+ casts), neg, sum of two paths
-    residual = 2 * (s + c) * e + 2 * 3 * s * e  # grads to the branches; skip-path sums
-    input_grad_sums = 3 * 3 * s * e  # q+k+v and gate+up input gradients summed
-    attention = _attention_backward_bytes(q, k, c, r, gqa)
-    total = norms + rope + residual + input_grad_sums + swiglu + attention
-    return Work(total, norm_kernels + 2 * 8 + 4 + swiglu_kernels + 3 + 25)
+        residual = Work(2 * (2 * s + c) * e, 2)  # x + the branch -> the stream's dtype
+        swiglu = Work(5 * c * f, 2)  # silu (2), mul (3)
+        attention = _attention_forward_work(q, k, c, model.gqa_ratio > 1, rank)
+        return norms + rope + residual + swiglu + attention
+    # `runtime/_elementwise.py` `swiglu_backward`: dP * up, silu_backward, silu(gate), its
+    # product with dP; autograd's (the former recipe): two products, silu backward
+    swiglu = Work(11 * c * f, 4) if dtypes.sharded else Work(9 * c * f, 3)
+    residual = Work(2 * (s + c) * e + 2 * 3 * s * e, 4)  # grads to the branches; skip sums
+    input_grad_sums = Work(3 * 3 * s * e, 3)  # q+k+v and gate+up input gradients summed
+    attention = _attention_backward_work(q, k, c, model.gqa_ratio > 1, rank)
+    return norms + rope + residual + input_grad_sums + swiglu + attention
 
 
-def _attention_forward_bytes(q: int, k: int, c: int, r: int, gqa: bool) -> float:
+def _norm_work(e: int, dtypes: RuntimeDtypes, *, backward: bool, fused: bool) -> Work:
+    """A block's two RMSNorms, one direction."""
+    s, r = dtypes.stream, FP32
+    if fused and dtypes.sharded:  # RMSNormFunction (the former recipe: autograd's)
+        passes, kernels = NORM_FUSED_BACKWARD if backward else NORM_FUSED_FORWARD
+        return Work(2 * passes * s * e, 2 * kernels)
+    if not backward:
+        casts = 0 if s == r else 2 * (s + r) * e  # x up, y back
+        # pow (2), mean (1), x*rsqrt (2), *weight (2)
+        return Work(2 * (7 * r * e + casts), 2 * (6 + (2 if casts else 0)))
+    if dtypes.sharded:  # `rms_norm_backward_math`
+        casts = 3 * (s + r) * e if s != r else 0  # x and dy up, dx back
+        weight_casts = 2 if dtypes.compute != r else 0  # the weight up, its gradient back
+        # x*rstd, dy*n, sum, dy*w, g*n, mean, n*=, g-=, g*=rstd
+        return Work(2 * (76 * e + casts), 2 * (9 + (3 if casts else 0) + weight_casts))
+    casts = 0 if s == r else 2 * (s + r) * e
+    # mul/weight-grad, x*rsqrt, rsqrt-grad, mean/pow, sum (autograd's FP32 norm)
+    return Work(2 * (16 * r * e + casts), 2 * (10 + (2 if casts else 0)))
+
+
+def _attention_forward_work(q: int, k: int, c: int, gqa: bool, rank: RankKernels) -> Work:
     """`runtime/_all_to_all.py`, `_ring.py`, `_block.py` forward, per token: pack and unpack
-    (q, k, v in; output out), transposes to head-major (q; k, v stacked), GQA expansion,
-    fp32 online-softmax buffer and merge (rescale, upcast, multiply, add), cast back, transpose
-    back."""
-    packing = 2 * c * (q + 2 * k) + 2 * c * q
-    sorting = 2 * c * q + 2 * 2 * 2 * c * k
-    expansion = 2 * c * (k + q) if gqa else 0
-    merge = r * q + 2 * r * q + (c + r) * q + 2 * r * q + 3 * r * q
-    back = (r + c) * q + 2 * c * q
+    (q, k, v in; output out; none for a one-member group), q and the stacked k, v to
+    head-major, the GQA expansion (a broadcast copy), the merge of each block result after
+    the first into an FP32 state (its upcast, the rescale, the result's upcast, product and
+    sum), the cast back after a merge, the transpose back."""
+    r = FP32
+    packing = Work(0.0, 0) if rank.alone else Work(2 * c * (q + 2 * k) + 2 * c * q, 6)
+    sorting = Work(2 * c * q + 2 * 2 * 2 * c * k, 3)  # q; stack k, v; the stack
+    expansion = Work(2 * c * (k + q), 1) if gqa else Work(0.0, 0)
+    merges = rank.ring_steps - 1
+    merge = Work((c + r) * q + merges * (8 * r + c) * q, 1 + 8 * merges) if merges else Work(0, 0)
+    back = Work((r + c) * q if merges else 0.0, 1 if merges else 0) + Work(2 * c * q, 1)
     return packing + sorting + expansion + merge + back
 
 
-def _attention_backward_bytes(q: int, k: int, c: int, r: int, gqa: bool) -> float:
-    """The same, backward: dO unpacked and transposed, fp32 dQ and (expanded) dK/dV zeroed and
-    accumulated tile by tile, the GQA reduction, casts and transposes back, packing out."""
-    d_out = 2 * c * q + 2 * c * q
-    accumulators = r * q + 2 * r * q + 3 * (2 * r + c) * q
-    expansion = 2 * c * (k + q) if gqa else 0
-    reduction = 2 * r * q + 2 * r * k + 4 * r * k if gqa else 0
-    back = (r + c) * q + 2 * c * q + 2 * (r + c) * k + 4 * c * k + 2 * c * (q + 2 * k)
-    return d_out + accumulators + expansion + reduction + back
+def _attention_backward_work(q: int, k: int, c: int, gqa: bool, rank: RankKernels) -> Work:
+    """The same, backward: dO unpacked and to head-major; per block after the first, the
+    FP32 dQ sum (its upcast once, then reads and writes); each block's dK/dV reduced over
+    the query heads of a K/V head (FP32) and written into the block's FP32 partial; the casts
+    and transposes back, packing out."""
+    r = FP32
+    d_out = Work(2 * c * q + (0.0 if rank.alone else 2 * c * q), 1 if rank.alone else 2)
+    expansion = Work(2 * c * (k + q), 1) if gqa else Work(0.0, 0)
+    merges = rank.ring_steps - 1
+    dq_sum = Work((c + r) * q + merges * (c + 2 * r) * q, 1 + merges) if merges else Work(0, 0)
+    reduced = 2 * ((c * q + r * k) if gqa else 0.0)  # the sum over a view, to FP32
+    partial = 2 * (2 * r * k if gqa else (c + r) * k)  # into the block's FP32 partial
+    blocks = rank.ring_steps
+    dkv = Work(blocks * (reduced + partial), blocks * (4 if gqa else 2))
+    hops = Work(merges * 3 * 2 * r * k, 2 * merges)  # each later block's dK/dV summed in
+    dq_back = Work(((r + c) * q if merges else 0.0) + 2 * c * q, 2 if merges else 1)
+    dkv_back = Work(2 * (r + c) * k + 4 * c * k, 4)
+    packing = Work(0.0, 0) if rank.alone else Work(2 * c * (q + 2 * k), 3)
+    return d_out + expansion + dq_sum + dkv + hops + dq_back + dkv_back + packing
 
 
 def block_activation_casts_per_token(
@@ -286,11 +338,17 @@ def head_gemm_work(
     return flops, operand_bytes, chunks * (2 + slabs)
 
 
-def head_elementwise_per_token(model: ModelSpec, dtypes: RuntimeDtypes) -> Work:
+def head_elementwise_per_token(
+    model: ModelSpec, dtypes: RuntimeDtypes, rank: RankKernels = RankKernels()
+) -> Work:
     """Embedding lookup (rows written in the stream's dtype) and its backward's per-token
-    reads, the final RMSNorm forward and backward (as a block's norm)."""
+    reads, the final RMSNorm forward and backward (as one of a block's norms)."""
     e, s = model.hidden, dtypes.stream
-    return Work(float((s + s + 7 * FP32 + 16 * FP32) * e), 6 + 10 + 2)
+    embedding = Work(float(2 * s * e), 2)
+    norm = [_norm_work(e, dtypes, backward=b, fused=rank.fused_norm) for b in (False, True)]
+    return embedding + Work(
+        (norm[0].bytes + norm[1].bytes) / 2, (norm[0].kernels + norm[1].kernels) // 2
+    )
 
 
 def embedding_gradient_bytes(model: ModelSpec) -> float:

@@ -11,7 +11,7 @@ booked as `launch_s`; the two add up to the cost model's time.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +22,8 @@ from hexiseq.costmodel._runtime_work import (
     FP32,
     FUSED_ADAMW_BYTES_PER_PARAM,
     GRAD_ACCUMULATE_BYTES_PER_PARAM,
+    RankKernels,
+    Work,
     adamw_launches,
     block_activation_casts_per_token,
     block_elementwise_per_token,
@@ -155,7 +157,10 @@ def _layer_kernels(
     tokens = context.tokens.astype(np.float64)
     model = context.model
     dtypes = runtime_dtypes(context.train)
-    elementwise = block_elementwise_per_token(model, dtypes, backward=backward)
+    elementwise = per_rank_work(
+        context,
+        lambda rank: block_elementwise_per_token(model, dtypes, backward=backward, rank=rank),
+    )
     activation_casts = block_activation_casts_per_token(model, dtypes, backward=backward)
     weight_casts = weight_casts_per_layer(dtypes, backward=backward)
     weight_cast_bytes = weight_casts.bytes * _cast_params(context, fractions, backward)
@@ -167,6 +172,27 @@ def _layer_kernels(
             activation_casts.kernels + weight_casts.kernels,
         ),
     ]
+
+
+def per_rank_work(context: SimContext, work_of: Callable[[RankKernels], Work]) -> Work:
+    """`work_of` each rank's `RankKernels` (fused RMSNorm unless a CPU rank; the ring's
+    groups; whether its HP group is the rank alone), once per distinct kind: one `Work` when
+    every rank is of one kind, else [rank] arrays."""
+    group_sizes = np.bincount(context.group_of)
+    steps = len(group_sizes)
+    cpu = context.ranks_by_gpu.get("cpu")
+    if cpu is None and (group_sizes.min() > 1 or group_sizes.max() == 1):
+        return work_of(RankKernels(True, steps, bool(group_sizes.max() == 1)))
+    alone = group_sizes[context.group_of] == 1
+    fused = np.ones(len(alone), dtype=bool)
+    if cpu is not None:
+        fused[cpu] = False
+    kinds = {key: work_of(RankKernels(key[0], steps, key[1])) for key in set(zip(fused, alone))}
+    chosen = [kinds[key] for key in zip(fused, alone)]
+    return Work(
+        np.array([w.bytes for w in chosen], dtype=np.float64),
+        np.array([w.kernels for w in chosen], dtype=np.float64),
+    )
 
 
 def _cast_params(context: SimContext, fractions: Sequence[float], backward: bool) -> np.ndarray:
@@ -195,7 +221,7 @@ def _head_kernels(context: SimContext, fractions: Sequence[float]) -> list[Kerne
     head_matrix = float(model.vocab * model.hidden)
     dtypes = runtime_dtypes(train)
     loss = loss_work(model, dtypes, tokens)
-    head = head_elementwise_per_token(model, dtypes)
+    head = per_rank_work(context, lambda rank: head_elementwise_per_token(model, dtypes, rank))
     # The loss copies an FP32 head weight to the compute dtype once and accumulates its
     # gradient in FP32 (no cast back); sharded, the weight comes gathered in the compute dtype.
     casts = (element + FP32) * head_matrix if dtypes.casts_weights else 0.0

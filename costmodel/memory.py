@@ -611,16 +611,19 @@ def attention_backward_bytes(
     model: ModelSpec, dtypes: RuntimeDtypes, shape: RankShape, cuda: bool
 ) -> int:
     """The attention backward's peak above the block's activations (`runtime/_ring.py`,
-    `runtime/_block.py`): the FP32 dQ accumulator and the sorted dO copy over the segment; a
-    block's K/V expanded to the query heads (GQA), its FP32 dK/dV, expanded and reduced; the
-    kernel's dq, dk, dv of a tile; the residual stream's gradient and the attention output's
-    gradient in sequence form. FlashAttention-2's CUDA backward adds its own FP32 dQ
-    accumulator (Dao 2023, Algorithm 2)."""
+    `runtime/_block.py`): the sorted dO copy and the kernel's dq over the segment, and with
+    more than one ring group the FP32 dQ sum they are added into (one group: the kernel's dq
+    is the sum, `RowSum`); a block's K/V expanded to the query heads (GQA), the kernel's dk,
+    dv of a tile, the block's FP32 dK/dV partial and one of them reduced to the K/V heads
+    (FP32) on its way in; the residual stream's gradient and the attention output's gradient
+    in sequence form. FlashAttention-2's CUDA backward adds its own FP32 dQ accumulator (Dao
+    2023, Algorithm 2)."""
     c, segment = dtypes.compute, shape.segment
     block = max(shape.segment, shape.largest_block)
     rank_q, rank_kv = shape.heads * model.head_dim, shape.kv_heads * model.head_dim
-    query_side = segment * rank_q * (FP32 + c + c + (FP32 if cuda else 0))
-    key_side = block * (2 * rank_q * (c + FP32 + c) + 2 * rank_kv * FP32)
+    dq_sum = FP32 if shape.ring_groups > 1 else 0
+    query_side = segment * rank_q * (dq_sum + c + c + (FP32 if cuda else 0))
+    key_side = block * (2 * rank_q * (c + c) + 3 * rank_kv * FP32)
     sequence = shape.tokens * (model.hidden * dtypes.stream + model.heads * model.head_dim * c)
     return query_side + key_side + sequence
 

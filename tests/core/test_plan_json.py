@@ -285,9 +285,12 @@ def test_overlapping_token_ranges_are_rejected(tmp_path, small_document):
 
 def test_head_ranges_with_a_gap_are_rejected(tmp_path, small_document):
     document = copy.deepcopy(small_document)
-    document["layout"]["head_ranges"][0] = [0, 3]
+    low, high = document["layout"]["head_ranges"][0]  # rank 0's, in group 0
+    assert high - low >= 2, "the plan's rank 0 needs two heads to cut one off"
+    document["layout"]["head_ranges"][0] = [low, high - 1]
     _one_line_error(
-        _write_json(tmp_path, document), r"group 0 heads \[3, 8\) are owned by no rank"
+        _write_json(tmp_path, document),
+        rf"group 0 heads \[{high - 1}, {high}\) are owned by no rank",
     )
 
 

@@ -9,8 +9,14 @@ import pytest
 from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout
 from hexiseq.catalog import gpu_spec
 from hexiseq.costmodel import DatasheetCostModel, simulate_step
-from hexiseq.costmodel._runtime_work import FUSED_ADAMW_BYTES_PER_PARAM
-from hexiseq.costmodel._state import BREAKDOWN_KEYS
+from hexiseq.costmodel._runtime_work import (
+    FUSED_ADAMW_BYTES_PER_PARAM,
+    RankKernels,
+    block_elementwise_per_token,
+    runtime_dtypes,
+)
+from hexiseq.costmodel._state import BREAKDOWN_KEYS, make_context
+from hexiseq.costmodel._step_parts import per_rank_work
 from hexiseq.costmodel.datasheet import KERNEL_FLOOR_S, attention_seconds_per_pair_head
 from hexiseq.plan import RankTime
 
@@ -127,3 +133,45 @@ def test_one_dtype_rule_for_the_step_and_the_memory_model():
     for spec, dtypes in ((legacy, one), (train, many)):
         memory = rank_memory(model, spec, RankShape(4096, 4096, 8, 4, 0), 1.0)
         assert memory.block_output == 4096 * model.hidden * dtypes.stream
+
+
+def _block_work(model, train, rank, backward=False):
+    dtypes = runtime_dtypes(train)
+    return block_elementwise_per_token(model, dtypes, backward=backward, rank=rank)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_block_costs_more_with_a_group_a_longer_ring_or_the_norms_math(backward):
+    """A one-member HP group skips the all-to-all's copies, a one-group ring the merges, a GPU
+    rank runs the fused norm (`RankKernels`)."""
+    model, train = ModelSpec.preset("llama3.2-3b"), TrainSpec(seq_len=8192)
+    alone = _block_work(model, train, RankKernels(True, 1, True), backward)
+    for other in (RankKernels(True, 1, False), RankKernels(True, 4, True)):
+        work = _block_work(model, train, other, backward)
+        assert work.bytes > alone.bytes and work.kernels > alone.kernels, other
+    assert _block_work(model, train, RankKernels(False, 1, True), backward).bytes > alone.bytes
+
+
+def test_each_rank_gets_the_work_of_its_own_kernels():
+    """GPU ranks in an HP group of two, CPU ranks alone in theirs, one ring of three groups."""
+    model, train = ModelSpec.preset("llama3.2-3b"), TrainSpec(seq_len=8192)
+    nodes = [
+        {"name": "gpu", "gpu": "H100-SXM", "count": 2},
+        {"name": "cpu", "gpu": "cpu", "count": 2},
+    ]
+    network = {"inter_node_GBps": 50}
+    cluster = Cluster.from_dict({"name": "mixed", "nodes": nodes, "network": network})
+    layout = build_uniform_layout(8192, model.heads, model.kv_heads, [2, 1, 1])
+    context = make_context(cluster, model, train, layout, DatasheetCostModel())
+    seen = []
+
+    def work_of(rank):
+        seen.append(rank)
+        return _block_work(model, train, rank)
+
+    work = per_rank_work(context, work_of)
+    assert set(seen) == {RankKernels(True, 3, False), RankKernels(False, 3, True)}
+    gpu = _block_work(model, train, RankKernels(True, 3, False))
+    cpu = _block_work(model, train, RankKernels(False, 3, True))
+    assert list(work.bytes) == [gpu.bytes, gpu.bytes, cpu.bytes, cpu.bytes]
+    assert simulate_step(cluster, model, train, layout, DatasheetCostModel()).step_time_s > 0

@@ -96,8 +96,10 @@ def test_a_replica_plan_shows_each_replicas_groups():
     from hexiseq.search import plan_search
 
     plan = plan_search("cpu-emulated-2type", "tiny", 256, micro_batches=3).best
-    assert [[len(g) for g in r.layout.groups] for r in plan.replicas] == [[1, 1], [1, 1]]
-    expected = "4 ranks, 2 replicas: 2 HP groups of 1 | 2 HP groups of 1"
+    # each replica one HP group of both its ranks (before the model counted the runtime's
+    # one-step ring and one-member all-to-all, two groups of one)
+    assert [[len(g) for g in r.layout.groups] for r in plan.replicas] == [[2], [2]]
+    expected = "4 ranks, 2 replicas: 1 HP group of 2 | 1 HP group of 2"
     assert views.plan_shape(plan.to_json_text()) == expected
 
 

@@ -337,7 +337,7 @@ def planner_scaling_cluster(gpus: int, types: list[str]) -> Cluster:
 
 
 def test_the_checkpointed_descent_in_the_helper_lists_what_this_process_would(monkeypatch):
-    """64 GPUs of 8 types at 768K tokens: both descents of the short list move (with and
+    """64 GPUs of 8 types at 896K tokens: both descents of the short list move (with and
     without activation checkpointing: some picks keep the recompute, some fit without it);
     the helper runs the checkpointed one, and the short list, its estimates and its busy
     rates come out as found here."""
@@ -347,7 +347,7 @@ def test_the_checkpointed_descent_in_the_helper_lists_what_this_process_would(mo
 
     types = ["H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G"]
     cluster = planner_scaling_cluster(64, types)
-    model, train = ModelSpec.preset("llama3-8b"), TrainSpec(seq_len=3 * 2**18)
+    model, train = ModelSpec.preset("llama3-8b"), TrainSpec(seq_len=896 * 1024)
     problems = [Problem(cluster, model, train, DatasheetCostModel()) for _ in range(2)]
     started = []
     start = helper.start

@@ -158,7 +158,7 @@ def test_the_fastest_step_needs_no_utilization_rows(integer):
     slack or leaves nothing feasible."""
     cases = [
         (three_types(), "llama3-8b", seq_k, checkpointing, degrees)
-        for seq_k in (64, 256)
+        for seq_k in (64, 96, 256)  # 96K without checkpointing: memory binds
         for checkpointing in (False, True)
         for degrees in THREE_TYPE_DEGREES
     ]
@@ -253,10 +253,10 @@ def test_unit_ceilings_are_each_member_kinds_least_room(degrees):
 
 
 def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
-    """64 GPUs of 8 types at 1M tokens without the recompute: the states and every class's
-    own rows would leave room, but each class must also hold the largest class's block (the
-    ring's buffer), which the 32 GB cards cannot; memory_rules_out sees it, as the LP does.
-    At 512K every grouping fits, and nothing is ruled out."""
+    """64 GPUs of 8 types at 1,152K tokens without the recompute: each class must also hold
+    the largest class's block (the ring's buffer), and no grouping fits; memory_rules_out
+    sees it, as the LP does. At 512K every grouping fits, and nothing is ruled out. (Before
+    the runtime's one-step ring dropped its FP32 accumulators, 1M was already too long.)"""
     from hexiseq.search._relaxation import memory_rules_out
 
     gpus = ["H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G"]
@@ -264,7 +264,7 @@ def test_memory_rules_out_what_only_the_largest_block_makes_too_long():
     cluster = Cluster.from_dict(
         {"name": "eight-types", "nodes": nodes, "network": {"inter_node_GBps": 50}}
     )
-    for seq_k, too_long in ((1024, True), (512, False)):
+    for seq_k, too_long in ((1152, True), (512, False)):
         problem = problem_for(cluster, "llama3-8b", seq_k * 1024, checkpointing=False)
         for degree in (1, 2, 4, 8):
             model, times, _ = model_and_times(problem, dict.fromkeys(gpus, degree), 256)
