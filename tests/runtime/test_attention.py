@@ -3,33 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 
 import pytest
 import torch
 import torch.distributed as dist
 from attention_cases import Case, check_case, random_cases
-from distributed import free_port
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hexiseq import InputError, build_uniform_layout, build_zigzag_layout
 from hexiseq.runtime import CPHPAttention
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @settings(max_examples=5, deadline=None)

@@ -8,13 +8,10 @@ relative error <= 1e-5, on fresh random inputs); uneven head splits keep the gen
 
 from __future__ import annotations
 
-import datetime
-
 import pytest
 import torch
-import torch.distributed as dist
 from attention_cases import TOLERANCE, Case, check_case, relative_error
-from distributed import free_port, run_distributed
+from distributed import run_distributed
 
 from hexiseq import AttentionLayout, build_zigzag_layout
 from hexiseq.runtime._block import (
@@ -319,21 +316,6 @@ def test_ring_context_picks_repeats_for_whole_groups_and_the_index_for_split_one
     assert expansions[0].expansion == HeadExpansion(3, None)  # heads 0-2 of K/V head 0
     assert expansions[1].expansion.index.tolist() == [0, 1, 1, 1, 1]  # heads 3-7
     assert expansions[2].expansion == HeadExpansion(4, None)  # all heads
-
-
-@pytest.fixture(scope="module")
-def one_rank_group():
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{free_port()}",
-        rank=0,
-        world_size=1,
-        timeout=datetime.timedelta(seconds=30),
-    )
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("causal", [True, False])
