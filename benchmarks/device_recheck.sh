@@ -4,8 +4,9 @@
 # with and without checkpointing against the transformers reference, one 8K step of hexiseq as
 # a Chrome trace (read with benchmarks/step_trace.py), then hexiseq alone at the longest plan
 # the planner passes (--near-cap) and at 32K with checkpointing. Output under $OUT:
-# recheck.log, rows.json, rows_more.json, trace-8k.json.gz. The call, from the repo root
-# (wheels as for device_session.sh):
+# recheck.log, rows.json, rows_more.json, trace-8k.json.gz; with COMPILE=1 first, an 8K row
+# with --compile (compiled.json; compiling took over 52 s on an H200) in place of the trace and
+# the longer rows. The call, from the repo root (wheels as for device_session.sh):
 #
 #   run(command="bash benchmarks/device_recheck.sh", carry=[".whl"], timeout_s=520)
 set -u
@@ -31,6 +32,12 @@ gpu = runtime_gpu.catalog_gpu(torch.cuda.get_device_name(0)) or "H100-SXM"
 plan, _ = runtime_gpu.one_device_plan(gpu, ModelSpec.preset("llama3.2-3b"), 8192, False, True)
 plan.to_json("/tmp/plan-8k.json")
 PY
+if [[ ${COMPILE:-} ]]; then
+    stage compiled 180 "${ROWS[@]}" --hexiseq-only --lengths 8192 16384 --checkpointing both \
+        --compile --timeout 170 --save-json "$OUT/compiled.json"
+    echo "== done at $(($(date +%s) - START_S)) s"
+    exit 0
+fi
 stage trace 40 python3 -m torch.distributed.run --standalone --nproc-per-node 1 \
     -m hexiseq.runtime.train --plan /tmp/plan-8k.json --steps 2 --no-store --device cuda \
     --torch-profile "$OUT/trace-8k.json.gz"
