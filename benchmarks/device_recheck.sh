@@ -33,8 +33,8 @@ plan, _ = runtime_gpu.one_device_plan(gpu, ModelSpec.preset("llama3.2-3b"), 8192
 plan.to_json("/tmp/plan-8k.json")
 PY
 if [[ ${COMPILE:-} ]]; then
-    stage compiled 180 "${ROWS[@]}" --hexiseq-only --lengths 8192 16384 --checkpointing both \
-        --compile --timeout 170 --save-json "$OUT/compiled.json"
+    stage compiled 330 "${ROWS[@]}" --hexiseq-only --lengths 8192 16384 --checkpointing off \
+        --compile --timeout 160 --save-json "$OUT/compiled.json"
     echo "== done at $(($(date +%s) - START_S)) s"
     exit 0
 fi
