@@ -792,6 +792,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     add("--probe-device", action="store_true", help=argparse.SUPPRESS)
     add("--device", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.repredict and not args.from_json:
+        parser.error("--repredict re-plans saved rows: it needs --from-json PATH [PATH ...]")
     for name in ("warmup", "steps"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "warmup" else 1):

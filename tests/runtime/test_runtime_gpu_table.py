@@ -58,3 +58,11 @@ def test_runs_that_did_not_record_the_reserved_peak_show_a_dash():
     assert cells[-3:] == ["70.00", "—", "—"]
     none_recorded = _side(reserved_peaks=[None] * 3, outside_allocator=[None] * 3)
     assert _cells(_prediction_table(_report(none_recorded)))[-2:] == ["—", "—"]
+
+
+def test_repredict_without_saved_rows_is_one_clear_error(capsys):
+    from runtime_gpu import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--repredict"])
+    assert "--repredict re-plans saved rows: it needs --from-json" in capsys.readouterr().err
