@@ -2,14 +2,17 @@
 
 The choices it fixes (`GlobalChoices`: HP degree per GPU type, ring-order strategy, chunk
 quantum, activation checkpointing) are what the Optuna layer samples; `default_choices` is
-the greedy pick that is tried first.
+the greedy pick that is tried first. The polish (`search.polish`) may also cut single nodes
+into groups of their own sizes (`GlobalChoices.node_groups`), where one degree per type
+leaves a node a short last group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from itertools import accumulate
 
 import numpy as np
 
@@ -36,11 +39,48 @@ class GlobalChoices:
     ring_order: str = "bandwidth"
     chunk_quantum: int | None = None  # None: `auto_chunk_quantum`
     activation_checkpointing: bool = True
+    # Nodes cut into HP groups of these sizes (node name, sizes in rank order), whatever
+    # their type's degree: sorted by node name, each differing from its type's cut.
+    node_groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def key(self) -> tuple:
         """A hashable identity (for caching trials that repeat a choice)."""
         degrees = tuple(sorted(self.hp_degrees.items()))
-        return degrees, self.ring_order, self.chunk_quantum, self.activation_checkpointing
+        key = degrees, self.ring_order, self.chunk_quantum, self.activation_checkpointing
+        return (*key, self.node_groups) if self.node_groups else key
+
+
+def degree_cut(count: int, degree: int) -> tuple[int, ...]:
+    """The group sizes of a node of `count` devices at HP degree `degree`."""
+    return tuple(min(degree, count - start) for start in range(0, count, degree))
+
+
+def with_node_groups(
+    cluster: Cluster, choices: GlobalChoices, node: str, sizes: tuple[int, ...]
+) -> GlobalChoices:
+    """`choices` with `node` cut into groups of `sizes` (its type's cut again: no override)."""
+    found = next(n for n in cluster.nodes if n.name == node)
+    cuts = dict(choices.node_groups)
+    cuts.pop(node, None)
+    if sizes != degree_cut(found.count, choices.hp_degrees[found.gpu]):
+        cuts[node] = sizes
+    return replace(choices, node_groups=tuple(sorted(cuts.items())))
+
+
+def node_groups_text(node_groups: tuple[tuple[str, tuple[int, ...]], ...]) -> str:
+    """`node_groups` as a trial parameter: "n0=2+1+1+1;n3=3+3" ("" for none)."""
+    return ";".join(f"{node}={'+'.join(map(str, sizes))}" for node, sizes in node_groups)
+
+
+def parse_node_groups(text: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The inverse of `node_groups_text`."""
+    if not text:
+        return ()
+    found = []
+    for item in text.split(";"):
+        node, _, sizes = item.partition("=")
+        found.append((node, tuple(int(size) for size in sizes.split("+"))))
+    return tuple(sorted(found))
 
 
 def nodes_by_name(cluster: Cluster) -> dict[str, list[int]]:
@@ -125,14 +165,27 @@ def greedy_candidates(
     return candidates
 
 
-def form_groups(cluster: Cluster, hp_degrees: dict[str, int]) -> dict[str, list[Group]]:
-    """HP groups of each node: consecutive ranks, `hp_degrees[gpu]` at a time."""
+def form_groups(
+    cluster: Cluster,
+    hp_degrees: dict[str, int],
+    node_groups: tuple[tuple[str, tuple[int, ...]], ...] = (),
+) -> dict[str, list[Group]]:
+    """HP groups of each node: consecutive ranks, `hp_degrees[gpu]` at a time, or in the
+    sizes `node_groups` gives the node."""
     groups = {}
     ranks_of = _ranks_by_node(cluster)
+    cuts = dict(node_groups)
     for node in cluster.nodes:
         ranks = ranks_of[node.name]
-        degree = hp_degrees[node.gpu]
-        groups[node.name] = [tuple(ranks[i : i + degree]) for i in range(0, len(ranks), degree)]
+        sizes = cuts.get(node.name)
+        if sizes is None:
+            degree = hp_degrees[node.gpu]
+            groups[node.name] = [
+                tuple(ranks[i : i + degree]) for i in range(0, len(ranks), degree)
+            ]
+        else:
+            ends = list(accumulate(sizes))
+            groups[node.name] = [tuple(ranks[end - size : end]) for end, size in zip(ends, sizes)]
     return groups
 
 

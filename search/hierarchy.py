@@ -43,7 +43,7 @@ def _state_fractions(problem: Problem, solution: LocalSolution) -> tuple[list[fl
 
 
 def _knobs(choices: GlobalChoices, groups, quantum: int) -> dict:
-    return {
+    knobs = {
         "planner": "greedy global + MILP local",
         "hp_degree_by_gpu": dict(choices.hp_degrees),
         "hp_group_sizes": [len(g) for g in groups],
@@ -51,3 +51,6 @@ def _knobs(choices: GlobalChoices, groups, quantum: int) -> dict:
         "chunk_quantum": quantum,
         "activation_checkpointing": choices.activation_checkpointing,
     }
+    if choices.node_groups:  # these nodes' groups, whatever their type's degree
+        knobs["hp_node_groups"] = {node: list(sizes) for node, sizes in choices.node_groups}
+    return knobs

@@ -13,7 +13,14 @@ from hexiseq.errors import InputError
 from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search import helper
 from hexiseq.search._evaluate import Problem
-from hexiseq.search.greedy import RING_ORDERS, GlobalChoices, candidate_hp_degrees, chunk_quantum
+from hexiseq.search.greedy import (
+    RING_ORDERS,
+    GlobalChoices,
+    candidate_hp_degrees,
+    chunk_quantum,
+    node_groups_text,
+    parse_node_groups,
+)
 from hexiseq.search.helper import (
     BATCH_MIN_WAIT_S,
     BATCH_WAIT_FACTOR,
@@ -42,7 +49,13 @@ def choices_from_params(problem: Problem, params: dict) -> GlobalChoices:
         str(params["ring_order"]),
         int(params["chunk_quantum"]),
         bool(params["activation_checkpointing"]),
+        parse_node_groups(params.get(NODE_GROUPS_PARAM, "")),
     )
+
+
+NODE_GROUPS_PARAM = "node_groups"
+"""The parameter of a polished trial whose nodes are cut apart (`GlobalChoices.node_groups`);
+the study's own trials never have it (Optuna does not sample it)."""
 
 
 def params_of(choices: GlobalChoices, quantum: int) -> dict:
@@ -52,6 +65,8 @@ def params_of(choices: GlobalChoices, quantum: int) -> dict:
         chunk_quantum=choices.chunk_quantum or quantum,
         activation_checkpointing=choices.activation_checkpointing,
     )
+    if choices.node_groups:
+        params[NODE_GROUPS_PARAM] = node_groups_text(choices.node_groups)
     return params
 
 

@@ -1,8 +1,9 @@
 """The polish: a deterministic local search from the study's best trials.
 
 From each start (the best trial first, then the next best, up to POLISH_STARTS) it looks at
-every choice set that differs in one decision (one GPU type's HP degree, checkpointing, the
-ring's layout: ring-order strategy or two neighbouring nodes swapped, at every chunk quantum)
+every choice set that differs in one decision (one GPU type's HP degree, one node's own cut
+into groups on small clusters, `NODE_CUTS_UP_TO`, checkpointing, the ring's layout:
+ring-order strategy or two neighbouring nodes swapped, at every chunk quantum)
 and moves to the fastest while that beats the current plan. Ring layouts, which the screen
 cannot tell apart, are evaluated first, once per distinct ring (up to rotation and swaps of
 nodes that look alike, `_ring_shape`) and quantum: every ring at the current quantum and the
@@ -30,7 +31,10 @@ from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import (
     RING_ORDERS,
     GlobalChoices,
+    candidate_hp_degrees,
+    degree_cut,
     explicit_ring_order,
+    with_node_groups,
 )
 from hexiseq.search.screen import (
     fastest_estimated,
@@ -162,9 +166,56 @@ def neighbours(
     found += [replace(choices, ring_order=o, chunk_quantum=q) for q in quanta for o in orders]
     for gpu in problem.cluster.gpu_types:
         for degree in screen_degrees(problem, gpu):
-            found.append(replace(choices, hp_degrees={**choices.hp_degrees, gpu: degree}))
+            found.append(_with_degree(problem, choices, gpu, degree))
+    found += _node_cuts(problem, choices)
     unique = {c.key(): c for c in found if c.key() != choices.key()}
     return list(unique.values())
+
+
+def _with_degree(problem: Problem, choices: GlobalChoices, gpu: str, degree: int):
+    """`choices` with `gpu`'s HP degree set, its nodes cut by it again (no own cuts)."""
+    of_type = {node.name for node in problem.cluster.nodes if node.gpu == gpu}
+    cuts = tuple((node, sizes) for node, sizes in choices.node_groups if node not in of_type)
+    return replace(choices, hp_degrees={**choices.hp_degrees, gpu: degree}, node_groups=cuts)
+
+
+NODE_CUTS_UP_TO = 16
+"""On clusters up to this many devices the polish also cuts single nodes into groups of
+their own sizes (`GlobalChoices.node_groups`): every partition of a node whose type's degree
+leaves it groups of unequal sizes (or that has its own cut already), screened and re-ranked
+like the other regroupings. One degree per type cannot express such winners: on
+plan_quality's 20 clusters (seed 2024), #4's exhaustive optimum cuts a node of five A100s
+2+1+1+1, where degree 4 leaves 4+1."""
+
+
+def _node_cuts(problem: Problem, choices: GlobalChoices) -> list[GlobalChoices]:
+    """Each node of unequal groups (or of its own cut) cut every other way, sizes
+    descending, none over the type's largest HP degree."""
+    cluster = problem.cluster
+    if cluster.world_size > NODE_CUTS_UP_TO:
+        return []
+    cuts = dict(choices.node_groups)
+    found = []
+    for node in cluster.nodes:
+        current = cuts.get(node.name) or degree_cut(node.count, choices.hp_degrees[node.gpu])
+        if node.name not in cuts and len(set(current)) == 1:
+            continue  # equal groups: the type's degree moves reach the other even cuts
+        largest = max(candidate_hp_degrees(cluster, problem.model, node.gpu))
+        for sizes in partitions(node.count, min(node.count, largest)):
+            if sizes != current:
+                found.append(with_node_groups(cluster, choices, node.name, sizes))
+    return found
+
+
+def partitions(total: int, largest: int) -> list[tuple[int, ...]]:
+    """Every way to write `total` as a sum of parts of at most `largest`, parts descending."""
+    if total == 0:
+        return [()]
+    return [
+        (part, *rest)
+        for part in range(min(total, largest), 0, -1)
+        for rest in partitions(total - part, part)
+    ]
 
 
 def _worth_evaluating(
@@ -244,7 +295,8 @@ def step_s(plan: Plan | InfeasiblePlan) -> float:
 
 
 def _grouping_key(choices: GlobalChoices) -> tuple:
-    return tuple(sorted(choices.hp_degrees.items())), choices.activation_checkpointing
+    degrees = tuple(sorted(choices.hp_degrees.items()))
+    return degrees, choices.node_groups, choices.activation_checkpointing
 
 
 def _ring_key(problem: Problem, choices: GlobalChoices) -> tuple:

@@ -89,6 +89,7 @@ def grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], lis
         problem.train,
         tuple(sorted(choices.hp_degrees.items())),
         choices.ring_order,
+        choices.node_groups,
     )
     return problem.memo(key, lambda: _grouping(problem, choices))
 
@@ -96,7 +97,7 @@ def grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], lis
 def _grouping(problem: Problem, choices: GlobalChoices) -> tuple[list[Group], list[list[int]]]:
     groups = order_ring(
         problem.cluster,
-        form_groups(problem.cluster, choices.hp_degrees),
+        form_groups(problem.cluster, choices.hp_degrees, choices.node_groups),
         choices.ring_order,
         _speed_by_type(problem),
     )
@@ -161,7 +162,10 @@ def _parts_by_type(problem: Problem, choices: GlobalChoices) -> list[ClassPart] 
     found once per search: a descent's move changes one type's degree, and this bound
     needs no grouping of the whole ring (on 128 GPUs of 8 types it was most of a
     descent's time). None where some group's rates are not known yet, or the sequence
-    cannot be laid out: `_priced` then prices the candidate (probing where it may)."""
+    cannot be laid out, or nodes are cut apart (`GlobalChoices.node_groups`): `_priced` then
+    prices the candidate (probing where it may)."""
+    if choices.node_groups:
+        return None
     problem = with_checkpointing(problem, choices.activation_checkpointing)
     quantum = resolved_quantum(problem, choices)
     if not _laid_out(problem, quantum):
