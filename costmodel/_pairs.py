@@ -37,6 +37,20 @@ def causal_pair_matrix(layout: AttentionLayout, group_of: np.ndarray) -> np.ndar
     return pairs
 
 
+def zigzag_pair_matrix(chunks: np.ndarray) -> np.ndarray:
+    """`causal_pair_matrix` of a generalized zigzag layout from its [group] chunk lengths c
+    (`AttentionLayout.zigzag_chunks`), in closed form: the front chunks lie in ring order
+    before every back chunk, and the back chunks in reverse ring order, so two groups see
+    each other's chunks in full twice (2·c_g·c_h pairs: g's back chunk sees h's front chunk,
+    and one of them sees the other's chunk of the same half), and a group sees its own
+    front chunk as a triangle, its back chunk as a triangle and its front chunk in full from
+    its back chunk: c(c+1)/2 · 2 + c² = 2c² + c."""
+    pairs = 2 * np.outer(chunks, chunks)
+    diagonal = np.arange(len(chunks))
+    pairs[diagonal, diagonal] += chunks
+    return pairs
+
+
 def _ranges_in_order(
     layout: AttentionLayout, group_of: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -20,7 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hexiseq.costmodel._pairs import causal_pair_matrix, steps_by_column, steps_of_sequence
+from hexiseq.costmodel._pairs import (
+    causal_pair_matrix,
+    steps_by_column,
+    steps_of_sequence,
+    zigzag_pair_matrix,
+)
 from hexiseq.costmodel._state import Ledger, SimContext, per_gpu_type_by_step
 from hexiseq.costmodel._traffic import (
     FP32,
@@ -75,7 +80,10 @@ def build_ring_tables(context: SimContext) -> RingTables:
 
 def _pairs_by_step(context: SimContext) -> np.ndarray:
     """[step, group] causal (query, key) pairs of the block group g holds at each step."""
-    return steps_by_column(causal_pair_matrix(context.layout, context.group_of))
+    chunks = context.layout.zigzag_chunks
+    if chunks is None:
+        return steps_by_column(causal_pair_matrix(context.layout, context.group_of))
+    return steps_by_column(zigzag_pair_matrix(np.asarray(chunks, dtype=np.int64)))
 
 
 def ring_pass(
@@ -86,9 +94,19 @@ def ring_pass(
     compute_total = compute.sum(axis=0)
     ledger.add("attention_s", compute_total)
     start, end = ring_start.copy(), ring_start + compute[0]
-    for step in range(1, tables.step_count):
+    if not backward and tables.step_count > 1:  # `_ring_step` without dK/dV, inlined
+        columns, kv_time_s = tables.senders.sender_columns, tables.kv_time_s
+        for step in range(1, tables.step_count):
+            posted = start[columns[0]]  # `RingSenders.latest`
+            for column in columns[1:]:
+                np.maximum(posted, start[column], out=posted)
+            np.maximum(start, posted, out=posted)
+            posted += kv_time_s[step]
+            start = np.maximum(end, posted, out=posted)
+            end = start + compute[step]
+    for step in range(1, tables.step_count if backward else 1):
         # Step 1 starts the travelling dK/dV at zero; later steps wait for it to arrive.
-        dkv_ready = _dkv_ready(tables, step - 1, end) if backward and step > 1 else None
+        dkv_ready = _dkv_ready(tables, step - 1, end) if step > 1 else None
         dkv_time = tables.dkv_time_s[step] if dkv_ready is not None else None
         start, end = _ring_step(
             tables, start, end, compute[step], tables.kv_time_s[step], dkv_ready, dkv_time

@@ -34,6 +34,7 @@ the runtime's (profiles/h200-2026-11-27).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -154,6 +155,7 @@ NORM_FUSED_BACKWARD = (5, 2)
 weight-gradient kernel reads dy and x again."""
 
 
+@lru_cache(maxsize=1024)  # pure; asked per rank kind of every simulation
 def block_elementwise_per_token(
     model: ModelSpec,
     dtypes: RuntimeDtypes,
@@ -241,6 +243,7 @@ def _attention_backward_work(q: int, k: int, c: int, gqa: bool, rank: RankKernel
     return d_out + expansion + dq_sum + dkv + hops + dq_back + dkv_back + packing
 
 
+@lru_cache(maxsize=1024)  # pure; asked per rank kind of every simulation
 def block_activation_casts_per_token(
     model: ModelSpec, dtypes: RuntimeDtypes, *, backward: bool
 ) -> Work:
@@ -338,6 +341,7 @@ def head_gemm_work(
     return flops, operand_bytes, chunks * (2 + slabs)
 
 
+@lru_cache(maxsize=1024)  # pure; asked per rank kind of every simulation
 def head_elementwise_per_token(
     model: ModelSpec, dtypes: RuntimeDtypes, rank: RankKernels = RankKernels()
 ) -> Work:

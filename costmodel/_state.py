@@ -181,12 +181,15 @@ def per_gpu_type(
     call covers all ranks of a model; `trailing_shape` is what `seconds_of` returns after
     the rank axis."""
     slowdown = context.slowdown.reshape(-1, *(1,) * len(trailing_shape))
+    emulated = context.emulated  # else every slowdown is 1: no products to take
     if len(context.ranks_by_gpu) == 1:
         (gpu,) = context.ranks_by_gpu
-        return seconds_of(gpu, slice(None)) * slowdown
+        seconds = seconds_of(gpu, slice(None))
+        return seconds * slowdown if emulated else seconds
     seconds = np.empty((context.layout.world_size, *trailing_shape))
     for gpu, ranks in context.ranks_by_gpu.items():
-        seconds[ranks] = seconds_of(gpu, ranks) * slowdown[ranks]
+        found = seconds_of(gpu, ranks)
+        seconds[ranks] = found * slowdown[ranks] if emulated else found
     return seconds
 
 

@@ -80,6 +80,24 @@ class AttentionLayout:
         return tuple(_total_length(self.segment(g)) for g in range(len(self.groups)))
 
     @cached_property
+    def zigzag_chunks(self) -> tuple[int, ...] | None:
+        """[group] the length of each of the group's two chunks where the layout is a
+        generalized zigzag (docs/design.md §3: in ring order, group g's segment is front
+        chunk g and back chunk 2G-1-g, of equal lengths); None for any other layout.
+        `build_zigzag_layout` sets it; other layouts are checked once."""
+        front, back, chunks = 0, self.seq_len, []
+        for g in range(len(self.groups)):
+            pieces = self.segment(g)
+            length = _total_length(pieces)
+            chunk = length // 2
+            halves = ((front, front + chunk), (back - chunk, back))
+            if length % 2 or pieces not in (halves, ((front, back),)) or chunk == 0:
+                return None
+            front, back = front + chunk, back - chunk
+            chunks.append(chunk)
+        return tuple(chunks) if front == back else None
+
+    @cached_property
     def token_counts(self) -> tuple[int, ...]:
         """[rank] tokens each rank owns outside attention (counted once a layout)."""
         return tuple(_total_length(ranges) for ranges in self.token_ranges)
@@ -336,9 +354,12 @@ def build_zigzag_layout(
     # front pieces tile [0, S/2) and back pieces [S/2, S), each at least one quantum, a rank's
     # front before its back, and each group's head counts (>= 1, summing to num_heads) tile
     # the heads. So only the sizes are left to check (the search builds thousands of these).
-    return _finish(
+    layout = _finish(
         seq_len, num_heads, num_kv_heads, groups, token_ranges, head_ranges, by_construction=True
     )
+    # what `zigzag_chunks` would find, known here (the simulator asks for every layout)
+    layout.__dict__["zigzag_chunks"] = tuple(length // 2 for length in segment_lengths)
+    return layout
 
 
 def _check_zigzag_args(

@@ -19,7 +19,12 @@ from hexiseq import (
     build_zigzag_layout,
 )
 from hexiseq.costmodel import DatasheetCostModel, simulate_step
-from hexiseq.costmodel._pairs import causal_pair_matrix, steps_by_column, steps_of_sequence
+from hexiseq.costmodel._pairs import (
+    causal_pair_matrix,
+    steps_by_column,
+    steps_of_sequence,
+    zigzag_pair_matrix,
+)
 from hexiseq.costmodel._state import _layout_arrays
 from hexiseq.costmodel.datasheet import declared_link_parameters
 from hexiseq.layout import causal_pair_count
@@ -77,6 +82,34 @@ def test_causal_pair_matrix_on_uniform_layouts(zigzag):
     assert matrix.tolist() == pair_matrix_by_definition(layout)
     # Every (q, k) pair with k <= q is counted once: the matrix sums to S(S+1)/2.
     assert matrix.sum() == 96 * 97 // 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(zigzag_layouts())
+def test_a_zigzag_layouts_pairs_in_closed_form_are_the_counted_ones(layout):
+    """The simulator prices a zigzag layout's ring from its chunk lengths alone
+    (`zigzag_pair_matrix`); a layout read back from its dict finds them again by checking its
+    ranges (`AttentionLayout.zigzag_chunks`), and they are the builder's."""
+    chunks = layout.zigzag_chunks
+    assert chunks == tuple(length // 2 for length in layout.segment_lengths)
+    assert AttentionLayout.from_dict(layout.to_dict()).zigzag_chunks == chunks
+    closed = zigzag_pair_matrix(np.asarray(chunks, dtype=np.int64))
+    assert closed.tolist() == pair_matrix_by_definition(layout)
+
+
+def test_only_zigzag_layouts_have_zigzag_chunks():
+    assert build_uniform_layout(96, 4, 2, [2, 1, 3]).zigzag_chunks == (16, 16, 16)
+    assert build_uniform_layout(96, 4, 2, [2, 1, 3], zigzag=False).zigzag_chunks is None
+    # the front chunks in another order than the ring's: not a zigzag of this ring
+    swapped = AttentionLayout(
+        seq_len=8,
+        num_heads=1,
+        num_kv_heads=1,
+        groups=((0,), (1,)),
+        token_ranges=(((2, 4), (4, 6)), ((0, 2), (6, 8))),
+        head_ranges=((0, 1), (0, 1)),
+    )
+    assert swapped.zigzag_chunks is None
 
 
 def test_causal_pair_matrix_rejects_overlapping_ranges():
