@@ -161,6 +161,11 @@ class MemoryBreakdown:
     def phase_bytes(self) -> dict[str, int]:
         """Bytes allocated at each moment of the step (`PHASES`): what CUDA's
         `max_memory_allocated` counts, without the reserve and fragmentation."""
+        return dict(zip(PHASES, self.allocated_by_phase()))
+
+    def allocated_by_phase(self) -> tuple[int, ...]:
+        """`phase_bytes`' values, in `PHASES` order (the planner asks for them by the
+        thousand: no dict)."""
         states = self.parameters + self.optimizer_states + self.kernel_workspaces
         held = states + self.gathered_parameters
         backward = held + self.sharding_backward_buffers
@@ -177,24 +182,26 @@ class MemoryBreakdown:
         last += self.layer_activations + self.logits
         mlp = self.mlp_backward_transients
         attention = self.attention_backward_transients + self.ring_buffers - self.mlp_activations
-        return {
-            "forward_end": forward + self.weight_cache,
-            "loss": forward + self.loss_transients,
-            "head_backward": forward + self.head_gradients + self.head_backward_transients,
-            "first_layer_backward:mlp": first + mlp,
-            "first_layer_backward:attention": first + attention,
-            "last_layer_backward:mlp": last + mlp,
-            "last_layer_backward:attention": last + attention,
-            "optimizer": states + self.gradients + self.logits + self.optimizer_transients,
-        }
+        return (  # in PHASES order
+            forward + self.weight_cache,
+            forward + self.loss_transients,
+            forward + self.head_gradients + self.head_backward_transients,
+            first + mlp,
+            first + attention,
+            last + mlp,
+            last + attention,
+            states + self.gradients + self.logits + self.optimizer_transients,
+        )
 
     def phase_peaks(self) -> dict[str, int]:
         """What each moment needs of the device: allocated bytes, the allocator's
         fragmentation around them, and the reserve."""
-        return {
-            phase: int(allocated * (1.0 + self.fragmentation)) + self.reserve
-            for phase, allocated in self.phase_bytes().items()
-        }
+        return dict(zip(PHASES, self.peaks_by_phase()))
+
+    def peaks_by_phase(self) -> list[int]:
+        """`phase_peaks`' values, in `PHASES` order."""
+        factor, reserve = 1.0 + self.fragmentation, self.reserve
+        return [int(allocated * factor) + reserve for allocated in self.allocated_by_phase()]
 
     @property
     def peak_phase(self) -> str:
@@ -204,12 +211,14 @@ class MemoryBreakdown:
     @property
     def allocated_bytes(self) -> int:
         """The largest phase: the peak of allocated memory (CUDA `max_memory_allocated`)."""
-        return max(self.phase_bytes().values())
+        return max(self.allocated_by_phase())
 
     @property
     def peak_bytes(self) -> int:
-        """What the device must hold at the worst moment: allocated, fragmentation, reserve."""
-        return max(self.phase_peaks().values())
+        """What the device must hold at the worst moment: allocated, fragmentation, reserve
+        (the largest phase's: the fragmentation's product and its rounding down are
+        monotone)."""
+        return int(self.allocated_bytes * (1.0 + self.fragmentation)) + self.reserve
 
     def terms(self) -> dict[str, int]:
         """The peak phase split into the terms a person reads; they add up to `peak_bytes`."""

@@ -41,7 +41,7 @@ def phases_of(
             ring_groups,
         )
         m = rank_memory(problem.model, problem.train, shape, share, calibration)
-        return np.array(list(m.phase_peaks().values()), dtype=float)
+        return np.array(m.peaks_by_phase(), dtype=float)
 
     base = phases(0, 0, 0, 0.0)
     per_token = phases(1, 0, 0, 0.0) - base
