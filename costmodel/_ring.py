@@ -89,28 +89,29 @@ def _pairs_by_step(context: SimContext) -> np.ndarray:
 def ring_pass(
     tables: RingTables, ledger: Ledger, ring_start: np.ndarray, *, backward: bool
 ) -> np.ndarray:
-    """All ring steps of one attention pass; returns each rank's finish time."""
+    """All ring steps of one attention pass; returns each rank's finish time. At each step,
+    for all ranks: the block was posted when sender and receiver began the previous step; it
+    starts when the block is in and the previous step is done; in the backward pass it ends
+    no earlier than the block's dK/dV accumulator arrives."""
     compute = tables.backward_s if backward else tables.forward_s
     compute_total = compute.sum(axis=0)
     ledger.add("attention_s", compute_total)
     start, end = ring_start.copy(), ring_start + compute[0]
-    if not backward and tables.step_count > 1:  # `_ring_step` without dK/dV, inlined
+    if tables.step_count > 1:
         columns, kv_time_s = tables.senders.sender_columns, tables.kv_time_s
+        dkv_columns = tables.dkv_senders.sender_columns if backward else ()
         for step in range(1, tables.step_count):
-            posted = start[columns[0]]  # `RingSenders.latest`
-            for column in columns[1:]:
-                np.maximum(posted, start[column], out=posted)
+            # Step 1 starts the travelling dK/dV at zero; later steps wait for it to arrive.
+            ready = _dkv_ready(tables, step - 1, end) if backward and step > 1 else None
+            posted = _latest(columns, start)
             np.maximum(start, posted, out=posted)
             posted += kv_time_s[step]
             start = np.maximum(end, posted, out=posted)
             end = start + compute[step]
-    for step in range(1, tables.step_count if backward else 1):
-        # Step 1 starts the travelling dK/dV at zero; later steps wait for it to arrive.
-        dkv_ready = _dkv_ready(tables, step - 1, end) if step > 1 else None
-        dkv_time = tables.dkv_time_s[step] if dkv_ready is not None else None
-        start, end = _ring_step(
-            tables, start, end, compute[step], tables.kv_time_s[step], dkv_ready, dkv_time
-        )
+            if ready is not None:
+                arrived = _latest(dkv_columns, ready)
+                arrived += tables.dkv_time_s[step]
+                np.maximum(end, arrived, out=end)
     if backward and tables.senders is not None:  # dK/dV go home once the last step is done
         ready = _dkv_ready(tables, tables.step_count - 1, end)
         end = np.maximum(end, tables.dkv_senders.latest(ready) + tables.dkv_time_s[0])
@@ -119,24 +120,12 @@ def ring_pass(
     return end
 
 
-def _ring_step(
-    tables: RingTables,
-    prev_start: np.ndarray,
-    prev_end: np.ndarray,
-    compute: np.ndarray,
-    kv_time: np.ndarray,
-    dkv_ready: np.ndarray | None,
-    dkv_time: np.ndarray | None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """One step for all ranks: the block was posted when sender and receiver began the
-    previous step; it starts when the block is in and the previous step is done; in the
-    backward pass it ends no earlier than the block's dK/dV accumulator arrives."""
-    posted = np.maximum(prev_start, tables.senders.latest(prev_start))
-    start = np.maximum(prev_end, posted + kv_time)
-    end = start + compute
-    if dkv_ready is not None:
-        end = np.maximum(end, tables.dkv_senders.latest(dkv_ready) + dkv_time)
-    return start, end
+def _latest(columns: tuple[np.ndarray, ...], times: np.ndarray) -> np.ndarray:
+    """`RingSenders.latest` of the senders `columns`: a new array."""
+    latest = times[columns[0]]
+    for column in columns[1:]:
+        np.maximum(latest, times[column], out=latest)
+    return latest
 
 
 def _dkv_ready(tables: RingTables, step: int, end: np.ndarray) -> np.ndarray:
