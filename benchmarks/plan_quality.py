@@ -258,7 +258,7 @@ def in_hierarchy_space(problem: Problem, winner: Candidate) -> str:
         fitting = {d for d in allowed if _cut(node.count, d) == sizes}
         degrees[node.gpu] = degrees.get(node.gpu, fitting) & fitting
     if not all(degrees.values()):
-        return "groups: no (needs per-node cuts)"
+        return "groups: a per-node cut (the polish reaches it; one degree per type does not)"
     choice = {gpu: min(options) for gpu, options in degrees.items()}
     speeds = speed_by_type(problem.cluster, attention_speeds(problem))
     groups = form_groups(cluster, choice)
@@ -329,9 +329,11 @@ def describe_plan(plan: Plan) -> str:
     if plan.name != "hexiseq":
         return plan.name
     knobs = plan.knobs
+    cuts = knobs.get("hp_node_groups")
+    own = "".join(f", {n}[{'+'.join(map(str, s))}]" for n, s in (cuts or {}).items())
     return (
-        f"hp {knobs['hp_degree_by_gpu']}, {knobs['ring_order']}, q={knobs['chunk_quantum']}, "
-        f"ckpt={'on' if knobs['activation_checkpointing'] else 'off'}"
+        f"hp {knobs['hp_degree_by_gpu']}{own}, {knobs['ring_order']}, "
+        f"q={knobs['chunk_quantum']}, ckpt={'on' if knobs['activation_checkpointing'] else 'off'}"
     )
 
 
@@ -507,15 +509,17 @@ def reading(results: list[CaseResult], large: LargeResult) -> str:
     return (
         "Default search (the greedy short list, its two best groupings again without "
         "activation checkpointing, then the polish: one choice changed at a time from the three "
-        "best, HP degree per type, ring-order strategy or two neighbouring nodes swapped, "
-        f"quantum, checkpointing): goal {within('greedy_tokens_per_s')}. 40 Optuna trials "
+        "best, HP degree per type, one node's own cut into groups, ring-order strategy or two "
+        "neighbouring nodes swapped, quantum, checkpointing): goal "
+        f"{within('greedy_tokens_per_s')}. 40 Optuna trials "
         f"(then the same polish): {within('optuna_tokens_per_s')}. For comparison, the short "
         "list alone swept over checkpointing on/off and every chunk quantum, without the "
         f"polish: {within('knob_sweep_tokens_per_s')}; {other_quantum}/{len(results)} "
         "exhaustive winners use a quantum other than the middle one, and many mix HP degrees "
         "or use another ring order, which the polish reaches. "
-        f"{len(per_node)} winner(s) need different HP cuts on nodes of the same GPU type, "
-        "which the hierarchy's one-degree-per-type space cannot express; the default search's "
+        f"{len(per_node)} winner(s) cut a node otherwise than one HP degree per GPU type "
+        "does, which the short list and Optuna cannot express and the polish reaches by "
+        "cutting one node at a time (`polish.NODE_CUTS_UP_TO`); the default search's "
         f"gap to them: {per_node_gaps or 'none'} (negative: it found a plan outside the "
         "exhaustive space that beats them). At 128 GPUs (the polish "
         "capped at 3 full evaluations, 384 / devices), "
