@@ -47,6 +47,7 @@ from hexiseq.search.greedy import (
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.local_milp import solve_local
 from hexiseq.search.objective import quantum_choices
+from hexiseq.search.polish import partitions  # every cut of a node, parts descending
 from hexiseq.units import format_tokens
 
 GPU_TYPES = ("H100-SXM", "A100-80G", "A100-40G", "L40S", "RTX-4090", "V100-32G", "H200")
@@ -151,17 +152,6 @@ def draw_cases(count: int, seed: int) -> tuple[list[Case], int]:
 
 
 # --- exhaustive enumeration ------------------------------------------------------------------
-
-
-def partitions(total: int, largest: int) -> list[tuple[int, ...]]:
-    """Every integer partition of `total` into parts of at most `largest`, descending."""
-    if total == 0:
-        return [()]
-    return [
-        (first, *rest)
-        for first in range(min(total, largest), 0, -1)
-        for rest in partitions(total - first, first)
-    ]
 
 
 def ring_orders(names: list[str]) -> list[tuple[str, ...]]:
