@@ -98,18 +98,17 @@ def ring_pass(
     ledger.add("attention_s", compute_total)
     start, end = ring_start.copy(), ring_start + compute[0]
     if tables.step_count > 1:
-        columns, kv_time_s = tables.senders.sender_columns, tables.kv_time_s
-        dkv_columns = tables.dkv_senders.sender_columns if backward else ()
+        senders, kv_time_s = tables.senders, tables.kv_time_s
         for step in range(1, tables.step_count):
             # Step 1 starts the travelling dK/dV at zero; later steps wait for it to arrive.
             ready = _dkv_ready(tables, step - 1, end) if backward and step > 1 else None
-            posted = _latest(columns, start)
+            posted = senders.latest(start)
             np.maximum(start, posted, out=posted)
             posted += kv_time_s[step]
             start = np.maximum(end, posted, out=posted)
             end = start + compute[step]
             if ready is not None:
-                arrived = _latest(dkv_columns, ready)
+                arrived = tables.dkv_senders.latest(ready)
                 arrived += tables.dkv_time_s[step]
                 np.maximum(end, arrived, out=end)
     if backward and tables.senders is not None:  # dK/dV go home once the last step is done
@@ -118,14 +117,6 @@ def ring_pass(
     exposed = np.maximum(0.0, end - ring_start - compute_total)  # no -1e-17 rounding
     ledger.add("ring_exposed_comm_s", exposed)
     return end
-
-
-def _latest(columns: tuple[np.ndarray, ...], times: np.ndarray) -> np.ndarray:
-    """`RingSenders.latest` of the senders `columns`: a new array."""
-    latest = times[columns[0]]
-    for column in columns[1:]:
-        np.maximum(latest, times[column], out=latest)
-    return latest
 
 
 def _dkv_ready(tables: RingTables, step: int, end: np.ndarray) -> np.ndarray:
