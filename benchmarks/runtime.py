@@ -43,6 +43,7 @@ from hexiseq.layout import AttentionLayout
 from hexiseq.plan import Plan
 from hexiseq.search import plan_search
 from hexiseq.search._evaluate import Problem, evaluate
+from hexiseq.search.baselines import uniform_grid_plan
 
 HEADS, HEAD_DIM = 8, 64
 ATTENTION_REPEATS = 3
@@ -312,8 +313,9 @@ def emulation_section(quick: bool) -> str:
     seq_len, steps = (8192, 3) if quick else (16384, 4)
     cluster, model = Cluster.preset("cpu-emulated-2type"), ModelSpec.preset("small")
     result = plan_search(cluster, model, seq_len, activation_checkpointing=False)
+    grids = _uniform_grids(result.best, result.baselines["uniform-usp"])
     plans = {
-        "uniform-USP (best uniform grid)": result.baselines["uniform-usp"],
+        **grids,
         "balanced for the slowdown (tokens 2:2:1:1)": _balanced_plan(result.best, seq_len),
         "hexiseq (datasheet-planned)": result.best,
     }
@@ -338,17 +340,38 @@ def emulation_section(quick: bool) -> str:
                 f"{', '.join(f'{s:.3f}' for s in run.step_times_s)} | "
                 f"{plan.predicted.step_time_s:.3f} |"
             )
-    uniform_s = measured["uniform-USP (best uniform grid)"]
+    # Against the uniform grid that ran fastest here, not only the one the model picked.
+    strongest = min(grids, key=measured.__getitem__)
+    uniform_s = measured[strongest]
     lines.append("")
-    for name in list(plans)[1:]:
+    for name in list(plans)[len(grids) :]:
         speedup = uniform_s / measured[name]
         verdict = "met" if speedup >= 1.3 else "not met"
-        lines.append(f"Measured speedup of {name}: **{speedup:.3f}x** (goal >= 1.3x: {verdict}).")
+        lines.append(
+            f"Measured speedup of {name} over the fastest uniform grid measured ({strongest}): "
+            f"**{speedup:.3f}x** (goal >= 1.3x: {verdict})."
+        )
     lines.append(
         "Predicted times use the cost model the plan was made with (here the embedded default; "
-        "the closed-loop benchmark plans with the profiled, fitted model)."
+        "the closed-loop benchmark plans with the profiled, fitted model). Every uniform grid "
+        "is run: their predicted steps lie within 1 % of each other, so the model's pick "
+        "(uniform-USP) need not be the one that runs fastest."
     )
     return "\n".join(lines)
+
+
+def _uniform_grids(like: Plan, picked: Plan) -> dict[str, Plan]:
+    """Every feasible uniform HP x CP grid of `like`'s cluster and step, by name; the one
+    uniform-USP picked (the fastest predicted) marked."""
+    options = (like.train.activation_checkpointing,)
+    problem = Problem(like.cluster, like.model, like.train, DatasheetCostModel(), options)
+    world, grids = like.cluster.world_size, {}
+    for degree in (d for d in range(1, world + 1) if world % d == 0):
+        plan = uniform_grid_plan(problem, degree, "uniform grid")
+        if isinstance(plan, Plan):
+            mark = " = uniform-USP" if plan.knobs == picked.knobs else ""
+            grids[f"uniform grid hp={degree}, cp={world // degree}{mark}"] = plan
+    return grids
 
 
 def _balanced_plan(like: Plan, seq_len: int) -> Plan:
