@@ -8,7 +8,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from hexiseq.costmodel import CostModel
 from hexiseq.plan import Plan
+from hexiseq.search._evaluate import Problem
+from hexiseq.search.baselines import uniform_grid_plan
 from hexiseq.store import Store
 
 HEXISEQ = str(Path(sys.executable).with_name("hexiseq"))
@@ -47,3 +50,20 @@ def run_plan(
         for rank in ranks
     }
     return MeasuredRun(run_id, step_times, rank_times)
+
+
+def uniform_grids(
+    picked: Plan, cost: CostModel, checkpointing: tuple[bool, ...] = (False, True)
+) -> dict[str, Plan]:
+    """Every feasible uniform HP x CP grid of the cluster and step uniform-USP `picked` its
+    grid for, under `cost` and the `checkpointing` settings the search had (each grid without
+    the recompute where that fits), by name, `picked`'s marked: where their predicted steps
+    lie close, the model's pick need not be the grid that runs fastest, so each is run."""
+    problem = Problem(picked.cluster, picked.model, picked.train, cost, checkpointing)
+    world, grids = picked.cluster.world_size, {}
+    for degree in (d for d in range(1, world + 1) if world % d == 0):
+        plan = uniform_grid_plan(problem, degree, "uniform grid")
+        if isinstance(plan, Plan):
+            mark = " = uniform-USP" if plan.knobs == picked.knobs else ""
+            grids[f"uniform grid hp={degree}, cp={world // degree}{mark}"] = plan
+    return grids

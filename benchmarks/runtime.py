@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _results import replace_section
-from _runs import run_plan
+from _runs import run_plan, uniform_grids
 
 from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout, build_zigzag_layout
 from hexiseq.costmodel import DatasheetCostModel
@@ -43,7 +43,6 @@ from hexiseq.layout import AttentionLayout
 from hexiseq.plan import Plan
 from hexiseq.search import plan_search
 from hexiseq.search._evaluate import Problem, evaluate
-from hexiseq.search.baselines import uniform_grid_plan
 
 HEADS, HEAD_DIM = 8, 64
 ATTENTION_REPEATS = 3
@@ -313,7 +312,7 @@ def emulation_section(quick: bool) -> str:
     seq_len, steps = (8192, 3) if quick else (16384, 4)
     cluster, model = Cluster.preset("cpu-emulated-2type"), ModelSpec.preset("small")
     result = plan_search(cluster, model, seq_len, activation_checkpointing=False)
-    grids = _uniform_grids(result.best, result.baselines["uniform-usp"])
+    grids = uniform_grids(result.baselines["uniform-usp"], DatasheetCostModel(), (False,))
     plans = {
         **grids,
         "balanced for the slowdown (tokens 2:2:1:1)": _balanced_plan(result.best, seq_len),
@@ -358,20 +357,6 @@ def emulation_section(quick: bool) -> str:
         "(uniform-USP) need not be the one that runs fastest."
     )
     return "\n".join(lines)
-
-
-def _uniform_grids(like: Plan, picked: Plan) -> dict[str, Plan]:
-    """Every feasible uniform HP x CP grid of `like`'s cluster and step, by name; the one
-    uniform-USP picked (the fastest predicted) marked."""
-    options = (like.train.activation_checkpointing,)
-    problem = Problem(like.cluster, like.model, like.train, DatasheetCostModel(), options)
-    world, grids = like.cluster.world_size, {}
-    for degree in (d for d in range(1, world + 1) if world % d == 0):
-        plan = uniform_grid_plan(problem, degree, "uniform grid")
-        if isinstance(plan, Plan):
-            mark = " = uniform-USP" if plan.knobs == picked.knobs else ""
-            grids[f"uniform grid hp={degree}, cp={world // degree}{mark}"] = plan
-    return grids
 
 
 def _balanced_plan(like: Plan, seq_len: int) -> Plan:
