@@ -165,6 +165,13 @@ def has_helper(problem: Problem) -> bool:
     return helper is not None and helper.idle()
 
 
+def is_busy(problem: Problem) -> bool:
+    """Whether `problem`'s search has a helper that is still doing earlier work (work sent
+    now waits for it)."""
+    helper = _helper_of(problem)
+    return helper is not None and not helper.idle()
+
+
 def evaluate_batch(
     problem: Problem,
     batch: Sequence[GlobalChoices],
@@ -253,6 +260,7 @@ class _Helper:
     waiting: set[int] = field(default_factory=set)
     answers: dict[int, Any] = field(default_factory=dict)
     withdrawn: set[int] = field(default_factory=set)  # answers to drop when they come
+    rates_sent: dict = field(default_factory=dict)  # rate table key -> entries sent so far
 
     def call(
         self, problem: Problem, work: Callable, args: tuple, with_rates: bool = True
@@ -264,15 +272,24 @@ class _Helper:
             search_id = _search_id(problem)
             if self.search_id != search_id:
                 self.connection.send(("problem", search_id, replace(problem, cache={})))
-                self.search_id = search_id
-            rates = {}
-            if with_rates:
-                rates = {key: dict(t) for key, t in problem.cache.items() if _rates(key)}
+                self.search_id, self.rates_sent = search_id, {}
+            rates = self._new_rates(problem) if with_rates else {}
             self.connection.send(("call", ticket, search_id, rates, work, args))
         except (OSError, ValueError):  # the helper is gone (or the pipe closed)
             return None
         self.waiting.add(ticket)
         return ticket
+
+    def _new_rates(self, problem: Problem) -> dict:
+        """The busy-rate entries this process found since it last sent them: a table only
+        grows (`screen._known_rates`: an entry, once set, never changes), in order."""
+        rates = {}
+        for key, table in problem.cache.items():
+            sent = self.rates_sent.get(key, 0) if _rates(key) else None
+            if sent is not None and len(table) > sent:
+                rates[key] = dict(itertools.islice(table.items(), sent, None))
+                self.rates_sent[key] = len(table)
+        return rates
 
     def withdraw(self, ticket: int) -> None:
         if ticket not in self.waiting:

@@ -258,6 +258,46 @@ def test_a_batch_waits_for_no_helper_busy_with_the_baselines():
     assert pending.beside
 
 
+def rates_seen(problem: Problem) -> dict:
+    """In the helper: the busy-rate tables it prices from, as plain values."""
+    return {
+        key[1].activation_checkpointing: {group: rates for group, rates in table.items()}
+        for key, table in problem.cache.items()
+        if helper._rates(key)
+    }
+
+
+def test_the_helper_prices_from_the_rates_found_here_each_sent_once(monkeypatch):
+    problem = problem_on("h100x8-a100x8")
+    table = problem.cache.setdefault(("rates", problem.train), {})
+    sent = []
+    new_rates = helper._Helper._new_rates
+    monkeypatch.setattr(
+        helper._Helper, "_new_rates", lambda self, p: sent.append(new_rates(self, p)) or sent[-1]
+    )
+
+    def seen_there() -> dict:
+        return helper.result(problem, helper.start(problem, rates_seen), 30.0)[0]
+
+    with helper.helping(problem, True):
+        table[(0, 1)] = "rates of (0, 1)"
+        assert seen_there() == {True: {(0, 1): "rates of (0, 1)"}}
+        table[(2, 3)] = "rates of (2, 3)"
+        assert seen_there() == {True: {(0, 1): "rates of (0, 1)", (2, 3): "rates of (2, 3)"}}
+        assert seen_there() == {True: {(0, 1): "rates of (0, 1)", (2, 3): "rates of (2, 3)"}}
+    assert [list(rates.get(("rates", problem.train), {})) for rates in sent] == [
+        [(0, 1)],
+        [(2, 3)],  # only what was found since the last call
+        [],
+    ]
+    # the next search's helper holds none of them: that search sends its own from the first
+    other = replace(problem, cache={("rates", problem.train): {(0, 1): "again"}})
+    with helper.helping(other, True):
+        assert helper.result(other, helper.start(other, rates_seen), 30.0)[0] == {
+            True: {(0, 1): "again"}
+        }
+
+
 def describe(result) -> dict:
     """What a search reports, as plain values."""
     rows = {"best": (result.best.name, result.best.predicted.tokens_per_s)}
