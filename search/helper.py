@@ -534,6 +534,9 @@ def _serve(connection) -> None:
         except (EOFError, OSError):
             return
         _, ticket, wanted, rates, function, args = work.popleft()
+        if wanted == search_id:  # the rates found since the last call, withdrawn or not
+            for key, table in rates.items():
+                problem.cache.setdefault(key, {}).update(table)
         if ticket in withdrawn:  # skipped; the empty answer lets the parent forget it
             withdrawn.discard(ticket)
             try:
@@ -544,8 +547,6 @@ def _serve(connection) -> None:
         try:
             if wanted != search_id:
                 raise LookupError("work of another search")
-            for key, table in rates.items():
-                problem.cache.setdefault(key, {}).update(table)
             answer = _dumps((function(problem, *args),), problem)
         except Exception:
             answer = None

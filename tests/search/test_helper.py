@@ -267,6 +267,24 @@ def rates_seen(problem: Problem) -> dict:
     }
 
 
+def busy_briefly(problem: Problem) -> None:
+    time.sleep(0.5)
+
+
+def test_the_rates_sent_with_withdrawn_work_still_reach_the_helper():
+    problem = problem_on("h100x8-a100x8")
+    table = problem.cache.setdefault(("rates", problem.train), {})
+    with helper.helping(problem, True):
+        table[(0, 1)] = "rates of (0, 1)"
+        helper.start(problem, busy_briefly)
+        table[(2, 3)] = "rates of (2, 3)"
+        helper.withdraw(problem, helper.start(problem, rates_seen))  # skipped there
+        table[(4, 5)] = "rates of (4, 5)"
+        seen = helper.result(problem, helper.start(problem, rates_seen), 30.0)[0]
+    assert seen == {True: {(0, 1): "rates of (0, 1)", (2, 3): "rates of (2, 3)",
+                           (4, 5): "rates of (4, 5)"}}  # fmt: skip
+
+
 def test_the_helper_prices_from_the_rates_found_here_each_sent_once(monkeypatch):
     problem = problem_on("h100x8-a100x8")
     table = problem.cache.setdefault(("rates", problem.train), {})
