@@ -165,13 +165,6 @@ def has_helper(problem: Problem) -> bool:
     return helper is not None and helper.idle()
 
 
-def is_busy(problem: Problem) -> bool:
-    """Whether `problem`'s search has a helper that is still doing earlier work (work sent
-    now waits for it)."""
-    helper = _helper_of(problem)
-    return helper is not None and not helper.idle()
-
-
 def evaluate_batch(
     problem: Problem,
     batch: Sequence[GlobalChoices],
@@ -285,8 +278,8 @@ class _Helper:
         grows (`screen._known_rates`: an entry, once set, never changes), in order."""
         rates = {}
         for key, table in problem.cache.items():
-            sent = self.rates_sent.get(key, 0) if _rates(key) else None
-            if sent is not None and len(table) > sent:
+            sent = self.rates_sent.get(key, 0)
+            if _rates(key) and len(table) > sent:
                 rates[key] = dict(itertools.islice(table.items(), sent, None))
                 self.rates_sent[key] = len(table)
         return rates
