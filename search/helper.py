@@ -74,6 +74,7 @@ from hexiseq.plan import InfeasiblePlan, Plan
 from hexiseq.search._evaluate import Problem
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
+from hexiseq.search.screen import rate_tables, rates_table
 
 FORKS = sys.platform.startswith("linux")
 """Where this module and the search's scoring workers (`search.sampling.WORKER_START`) fork
@@ -253,7 +254,7 @@ class _Helper:
     waiting: set[int] = field(default_factory=set)
     answers: dict[int, Any] = field(default_factory=dict)
     withdrawn: set[int] = field(default_factory=set)  # answers to drop when they come
-    rates_sent: dict = field(default_factory=dict)  # rate table key -> entries sent so far
+    rates_sent: dict = field(default_factory=dict)  # step -> its rates' entries sent so far
 
     def call(
         self, problem: Problem, work: Callable, args: tuple, with_rates: bool = True
@@ -274,14 +275,14 @@ class _Helper:
         return ticket
 
     def _new_rates(self, problem: Problem) -> dict:
-        """The busy-rate entries this process found since it last sent them: a table only
-        grows (`screen._known_rates`: an entry, once set, never changes), in order."""
+        """The busy-rate entries this process found since it last sent them, by step: a
+        table only grows (`screen.rates_table`: an entry, once set, never changes), in order."""
         rates = {}
-        for key, table in problem.cache.items():
-            sent = self.rates_sent.get(key, 0)
-            if _rates(key) and len(table) > sent:
-                rates[key] = dict(itertools.islice(table.items(), sent, None))
-                self.rates_sent[key] = len(table)
+        for train, table in rate_tables(problem).items():
+            sent = self.rates_sent.get(train, 0)
+            if len(table) > sent:
+                rates[train] = dict(itertools.islice(table.items(), sent, None))
+                self.rates_sent[train] = len(table)
         return rates
 
     def withdraw(self, ticket: int) -> None:
@@ -382,11 +383,6 @@ def _stop() -> None:
 def _search_id(problem: Problem) -> int:
     """A number for the search `problem` belongs to (its cache is the search's)."""
     return problem.memo("helper search id", lambda: next(_SEARCH_IDS))
-
-
-def _rates(key) -> bool:
-    """Whether a `Problem.cache` key is one of the busy-rate tables (`screen._known_rates`)."""
-    return isinstance(key, tuple) and len(key) == 2 and key[0] == "rates"
 
 
 def _evaluated(problem: Problem, batch: list[GlobalChoices]) -> list[Scored]:
@@ -528,8 +524,8 @@ def _serve(connection) -> None:
             return
         _, ticket, wanted, rates, function, args = work.popleft()
         if wanted == search_id:  # the rates found since the last call, withdrawn or not
-            for key, table in rates.items():
-                problem.cache.setdefault(key, {}).update(table)
+            for train, table in rates.items():
+                rates_table(problem, train).update(table)
         if ticket in withdrawn:  # skipped; the empty answer lets the parent forget it
             withdrawn.discard(ticket)
             try:

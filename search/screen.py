@@ -260,9 +260,24 @@ def group_rates(
 
 
 def _known_rates(problem: Problem) -> dict[tuple[int, ...], GroupRates]:
-    """Group -> its rates, for this search's step (`problem.train`): one table per step, so
-    a lookup hashes the group alone."""
-    return problem.memo(("rates", problem.train), dict)
+    """Group -> its rates, for this search's step (`problem.train`)."""
+    return rates_table(problem, problem.train)
+
+
+def rates_table(problem: Problem, train) -> dict[tuple[int, ...], GroupRates]:
+    """Group -> its busy rates found so far for step `train`: one table per step, so a
+    lookup hashes the group alone. A table only grows, and an entry, once set, never
+    changes (`_fill_from`)."""
+    tables = rate_tables(problem)
+    table = tables.get(train)
+    if table is None:
+        table = tables[train] = {}
+    return table
+
+
+def rate_tables(problem: Problem) -> dict:
+    """Step (`TrainSpec`) -> its `rates_table`, for every step this search has seen."""
+    return problem.memo("rate tables", dict)
 
 
 def _estimate_s(problem: Problem, choices: GlobalChoices) -> float:

@@ -45,6 +45,7 @@ from hexiseq.search.screen import (
     estimate_s,
     fastest_estimated,
     memory_binds,
+    rates_table,
     tie_key,
     with_checkpointing,
 )
@@ -163,29 +164,29 @@ def _descents(
     answer = helper.result(problem, ticket, wait_s)
     if answer is None:
         return [*found, _descended(problem, descents[-1])]
-    last, memos = answer[0]
+    last, memos, (train, found_rates) = answer[0]
     for key, value in memos.items():
-        if key[0] == "rates":  # a group's rates, once found, are kept (`screen._fill_from`)
-            table = problem.cache.setdefault(key, {})
-            for group, rates in value.items():
-                table.setdefault(group, rates)
-        else:
-            problem.cache.setdefault(key, value)
+        problem.cache.setdefault(key, value)
+    table = rates_table(problem, train)
+    for group, rates in found_rates.items():  # rates, once found, are kept (`screen._fill_from`)
+        table.setdefault(group, rates)
     return [*found, last]
 
 
-DESCENT_MEMOS = ("estimate", "bound", "probe", "rates")
-"""The `Problem.cache` entries of a descent in the helper that come back with its answer:
-those the order of scoring changes (busy rates, and the probes that found them) and those
-the short list reads again (estimates and bounds); the rest are recomputed here if asked."""
+DESCENT_MEMOS = ("estimate", "bound", "probe")
+"""The `Problem.cache` entries of a descent in the helper that come back with its answer,
+beside its step's busy rates: those the order of scoring changes (the probes that found the
+rates) and those the short list reads again (estimates and bounds); the rest are recomputed
+here if asked."""
 DESCENT_WAIT_FACTOR = 4.0
 DESCENT_MIN_WAIT_S = 2.0
 """How long this process waits for the helper's descent once its own are done: this factor x
 their seconds, at least DESCENT_MIN_WAIT_S; then it runs that descent itself."""
 
 
-def _descended_beside(problem: Problem, starts: list[GlobalChoices]) -> tuple[list, dict]:
-    """In the helper: `_descended(problem, starts)` and the memos it made (DESCENT_MEMOS)."""
+def _descended_beside(problem: Problem, starts: list[GlobalChoices]) -> tuple[list, dict, tuple]:
+    """In the helper: `_descended(problem, starts)`, the memos it made (DESCENT_MEMOS) and
+    its step's busy rates, `(train, rates_table)`."""
     before = set(problem.cache)
     found = _descended(problem, starts)
     train = with_checkpointing(problem, starts[0].activation_checkpointing).train
@@ -194,8 +195,7 @@ def _descended_beside(problem: Problem, starts: list[GlobalChoices]) -> tuple[li
         for key, value in problem.cache.items()
         if isinstance(key, tuple) and key[0] in DESCENT_MEMOS and key not in before
     }
-    memos[("rates", train)] = problem.cache.get(("rates", train), {})
-    return found, memos
+    return found, memos, (train, rates_table(problem, train))
 
 
 def _lightest(problem: Problem, choices: GlobalChoices, quanta: list[int]) -> GlobalChoices:

@@ -20,6 +20,7 @@ from hexiseq.search.baselines import all_baselines, data_parallel
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.objective import Objective
+from hexiseq.search.screen import rate_tables, rates_table
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the helper is forked on Linux only"
@@ -261,9 +262,8 @@ def test_a_batch_waits_for_no_helper_busy_with_the_baselines():
 def rates_seen(problem: Problem) -> dict:
     """In the helper: the busy-rate tables it prices from, as plain values."""
     return {
-        key[1].activation_checkpointing: {group: rates for group, rates in table.items()}
-        for key, table in problem.cache.items()
-        if helper._rates(key)
+        train.activation_checkpointing: dict(table)
+        for train, table in rate_tables(problem).items()
     }
 
 
@@ -273,7 +273,7 @@ def busy_briefly(problem: Problem) -> None:
 
 def test_the_rates_sent_with_withdrawn_work_still_reach_the_helper():
     problem = problem_on("h100x8-a100x8")
-    table = problem.cache.setdefault(("rates", problem.train), {})
+    table = rates_table(problem, problem.train)
     with helper.helping(problem, True):
         table[(0, 1)] = "rates of (0, 1)"
         helper.start(problem, busy_briefly)
@@ -287,7 +287,7 @@ def test_the_rates_sent_with_withdrawn_work_still_reach_the_helper():
 
 def test_the_helper_prices_from_the_rates_found_here_each_sent_once(monkeypatch):
     problem = problem_on("h100x8-a100x8")
-    table = problem.cache.setdefault(("rates", problem.train), {})
+    table = rates_table(problem, problem.train)
     sent = []
     new_rates = helper._Helper._new_rates
     monkeypatch.setattr(
@@ -303,13 +303,14 @@ def test_the_helper_prices_from_the_rates_found_here_each_sent_once(monkeypatch)
         table[(2, 3)] = "rates of (2, 3)"
         assert seen_there() == {True: {(0, 1): "rates of (0, 1)", (2, 3): "rates of (2, 3)"}}
         assert seen_there() == {True: {(0, 1): "rates of (0, 1)", (2, 3): "rates of (2, 3)"}}
-    assert [list(rates.get(("rates", problem.train), {})) for rates in sent] == [
+    assert [list(rates.get(problem.train, {})) for rates in sent] == [
         [(0, 1)],
         [(2, 3)],  # only what was found since the last call
         [],
     ]
     # the next search's helper holds none of them: that search sends its own from the first
-    other = replace(problem, cache={("rates", problem.train): {(0, 1): "again"}})
+    other = replace(problem, cache={})
+    rates_table(other, other.train)[(0, 1)] = "again"
     with helper.helping(other, True):
         assert helper.result(other, helper.start(other, rates_seen), 30.0)[0] == {
             True: {(0, 1): "again"}
@@ -428,7 +429,7 @@ def test_the_checkpointed_descent_in_the_helper_lists_what_this_process_would(mo
     ]
     rates = [
         {k: {g: (r.per_token_s.tolist(), r.fixed_s.tolist()) for g, r in v.items()}
-         for k, v in p.cache.items() if helper._rates(k)}
+         for k, v in rate_tables(p).items()}
         for p in problems
     ]  # fmt: skip
     assert rates[0] == rates[1] and len(rates[0]) == 2  # both steps' tables
