@@ -30,6 +30,7 @@ headroom. The simulator then scores the result exactly, ring waits included.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -56,16 +57,23 @@ from hexiseq.search._unit_ranges import UnitRanges
 
 Group = tuple[int, ...]
 RELINEARIZATIONS = 2
-MAX_LINEARIZATIONS = 3
+MAX_LINEARIZATIONS = 8
 RELINEARIZE_AGAIN = 0.25
-"""The secants are linearized RELINEARIZATIONS times, and once more (up to
-MAX_LINEARIZATIONS) where the last simulation moved some class's times by over
-RELINEARIZE_AGAIN (relative): the split is then far from where the secants were taken.
+KEEP_GAINING = 0.005
+"""The secants are linearized RELINEARIZATIONS times, and again where the last simulation
+moved some class's times by over RELINEARIZE_AGAIN (relative): the split is then far from
+where the secants were taken. From the third on, only while each split simulates at least
+KEEP_GAINING faster than the one before, up to MAX_LINEARIZATIONS in all.
 Measured on the search's local solves: on the planner-scaling cells of 16-128 GPUs the
 second linearization moved the times by at most 18 %; on plan_quality #16 (seed 2024) by up
 to 118 %, where the start from the screen's busy rates put four RTX 4090s at 256 tokens each
 and the solve after one more linearization was 4.4 % faster. A third linearization on every
-solve made 16-128 GPU searches 7-16 % slower for one plan 0.2 % faster."""
+solve made 16-128 GPU searches 7-16 % slower for one plan 0.2 % faster. Stopping after the
+third left #16's exhaustive winner (A100-40G and RTX 4090 at HP 2) 6 % slower than its
+split from the even start (24.16 against 22.79 ms): the splits still gained 1.6-3.8 % a
+round, and five rounds reach that split. Of 55 default searches (the 16 planner-scaling
+cells of 16-128 GPUs, 39 on presets) one plan changed, in its last digit; plan_quality's 20
+clusters kept their plans."""
 MILP_TIME_LIMIT_S = 2.0
 MILP_RELATIVE_GAP = 1e-6
 TIME_TOLERANCE = 1e-4  # the headroom stage may give up this much step time
@@ -122,6 +130,7 @@ def solve_local(
         even = _layout(problem, groups, heads, quantum, _even_units(groups, total_units))
         times = _time_coefficients(problem, even, classes, quantum)
     tried = []  # the splits laid out and simulated on the way
+    last_s = math.inf
     for round_ in range(1, MAX_LINEARIZATIONS):
         class_units = model.fastest_units(times)
         if class_units is None:
@@ -132,8 +141,12 @@ def solve_local(
         if _same_times(times, fresh):
             break  # the simulation agrees with the secants: solving again changes nothing
         far = not _same_times(times, fresh, RELINEARIZE_AGAIN)
-        times = fresh
-        if round_ + 1 >= RELINEARIZATIONS and not far:
+        step_s = simulated(problem, layout).step_time_s  # simulated for `fresh`
+        gaining = step_s < last_s * (1.0 - KEEP_GAINING)
+        times, last_s = fresh, step_s
+        if round_ + 1 == RELINEARIZATIONS and not far:
+            break
+        if round_ >= RELINEARIZATIONS and not gaining:
             break
     found = model.solve(times)
     if found is None:

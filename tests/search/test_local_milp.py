@@ -409,3 +409,41 @@ def test_a_class_at_one_unit_below_its_size_gets_a_leftover_unit_in_every_group(
     assert all(u in (9, 10, 11) for u in units[:2])  # the fast groups gave room, <= priced
     # with room to spare, the slow groups still come first
     assert _group_units([fast, slow], [9, 1], total=25, count=5) == [10, 9, 2, 2, 2]
+
+
+def random_16() -> Cluster:
+    """benchmarks/plan_quality.py's cluster #16 (seed 2024)."""
+    nodes = [("n0", "A100-80G", 1), ("n1", "A100-80G", 5), ("n2", "A100-40G", 2)]
+    nodes.append(("n3", "RTX-4090", 4))
+    return Cluster.from_dict(
+        {
+            "name": "random-16",
+            "nodes": [{"name": n, "gpu": gpu, "count": count} for n, gpu, count in nodes],
+            "network": {"inter_node_GBps": 12.5},
+        }
+    )
+
+
+def test_the_local_solve_goes_on_while_its_splits_gain(monkeypatch):
+    """#16's exhaustive winner: from the screen's busy rates the first split starves the
+    RTX 4090 pairs (2,048 tokens each), the next the A100-40G pair, which each
+    re-linearization then lifts by one unit (25.8, 24.6, 24.2, 23.3, 22.8 ms). Stopped
+    after the third, the plan was 6 % slower than the split a start from the even layout
+    reaches."""
+    from hexiseq.search import local_milp
+
+    problem = problem_for(random_16(), "tiny-7h", 1 << 16, checkpointing=False)
+    choices = GlobalChoices(
+        {"A100-80G": 1, "A100-40G": 2, "RTX-4090": 2}, "nodes:n0,n3,n2,n1", 512, False
+    )
+    groups, heads = grouping(problem, choices)
+    from_even = solve_local(problem, groups, heads, 512)  # no rates: the even start
+    even_s = simulated(problem, from_even.layout).step_time_s
+
+    def step_s() -> float:
+        problem.cache.clear()
+        return plan_for_choices(problem, choices).predicted.step_time_s
+
+    assert step_s() == pytest.approx(even_s, rel=1e-9)
+    monkeypatch.setattr(local_milp, "KEEP_GAINING", 1.0)  # stops after the third, as before
+    assert step_s() > 1.05 * even_s
