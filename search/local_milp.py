@@ -60,10 +60,10 @@ RELINEARIZATIONS = 2
 MAX_LINEARIZATIONS = 8
 RELINEARIZE_AGAIN = 0.25
 KEEP_GAINING = 0.005
-"""The secants are linearized RELINEARIZATIONS times, and again where the last simulation
+"""The secants are linearized RELINEARIZATIONS times, a third time where the last simulation
 moved some class's times by over RELINEARIZE_AGAIN (relative): the split is then far from
-where the secants were taken. From the third on, only while each split simulates at least
-KEEP_GAINING faster than the one before, up to MAX_LINEARIZATIONS in all.
+where the secants were taken; and again, up to MAX_LINEARIZATIONS in all, while the last
+split simulated at least KEEP_GAINING faster than the one before it.
 Measured on the search's local solves: on the planner-scaling cells of 16-128 GPUs the
 second linearization moved the times by at most 18 %; on plan_quality #16 (seed 2024) by up
 to 118 %, where the start from the screen's busy rates put four RTX 4090s at 256 tokens each
