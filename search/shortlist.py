@@ -19,7 +19,8 @@ to a plan already scored was tried: it cost one plan_quality cluster 16 % (a lef
 candidate was a start the polish needed). Only a candidate estimated more than
 HOPELESS_RATIO times slower than a plan already scored is left out (`hopeless`): on 1024
 GPUs the low HP degrees the descent tries run 6-7x slower than the best, and each costs a
-simulation of up to 1024 ring steps.
+simulation of up to 1024 ring steps. From CLOSE_FROM devices, where the polish has few
+evaluations and spends them on the best start, the bar is CLOSE_RATIO times.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ plan_quality clusters kept the same worst gap (0.98 %), 48 of 50 other searches 
 plan (the other two 0.03 and 0.13 % faster), and searches took 2-12 % longer."""
 SCREEN_SWEEPS = 2
 HOPELESS_RATIO = 2.0
-"""A candidate whose estimate is over HOPELESS_RATIO x a scored step time is not scored. Over
+"""A candidate whose estimate is over HOPELESS_RATIO x a scored step time is not scored (on
+clusters below CLOSE_FROM devices: `hopeless_ratio`). Over
 the 4,707 distinct candidates scored in 201 default searches (the 16 planner-scaling cells,
 65 preset searches and 120 plan_quality clusters of seeds 2024-2029) the estimate was at most
 1.442x the simulated step (93 over 1.3x), so such a candidate runs at least 1.39x slower.
@@ -65,6 +67,17 @@ At 1.5 (tried before `_lightest`, when 64 GPUs of 8 types still scored its unifo
 without the recompute) it left that cell 4 plans fewer to build (-18 % in one process, the
 same plans on 80 plan_quality and 20 plan_quality_medium clusters), but with 4 % to spare
 against that 1.442: kept at 2. With `_lightest` that cell builds 12 plans at either."""
+CLOSE_RATIO = 1.05
+CLOSE_FROM = 64
+"""From CLOSE_FROM devices a candidate estimated over CLOSE_RATIO x a scored step time is not
+scored. There the polish evaluates at most 6 plans (`polish.polish_evaluations`), nearly all
+from the best start, so a short-list candidate counts only if it beats the plans scored
+before it. The estimate is no bound (on 64-256 GPUs it reads up to 1.56x a candidate's
+simulated step), but it ranks candidates against a scored plan: over the 1,808 candidates
+scored after the first in 600 default searches on random clusters of 64-256 GPUs (8-GPU
+nodes of 1-6 of 10 types, 12.5-100 GB/s, five models, 128K-1M tokens), none estimated over
+0.98x the fastest step scored before it beat it, and those estimated over 1.05x ran at least
+4.1 % slower than it."""
 SCREEN_ALL_DEGREES = 8
 SCREEN_ALL_DEGREES_UP_TO = 32
 """Clusters up to this many devices screen every HP degree; larger ones the powers of two and
@@ -117,9 +130,15 @@ def _ahead_of_descents(ahead: Callable, problem: Problem, picks: list[GlobalChoi
 
 
 def hopeless(problem: Problem, choices: GlobalChoices, best_step_s: float) -> bool:
-    """Whether `choices` is estimated over HOPELESS_RATIO x slower than `best_step_s`, the
+    """Whether `choices` is estimated over `hopeless_ratio` x slower than `best_step_s`, the
     fastest step time already scored (math.inf: none yet)."""
-    return estimate_s(problem, choices) > HOPELESS_RATIO * best_step_s
+    ratio = hopeless_ratio(problem.cluster.world_size)
+    return estimate_s(problem, choices) > ratio * best_step_s
+
+
+def hopeless_ratio(devices: int) -> float:
+    """HOPELESS_RATIO, or CLOSE_RATIO on clusters of CLOSE_FROM devices or more."""
+    return CLOSE_RATIO if devices >= CLOSE_FROM else HOPELESS_RATIO
 
 
 def _descended(problem: Problem, starts: list[GlobalChoices]) -> list[GlobalChoices]:

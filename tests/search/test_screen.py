@@ -17,7 +17,13 @@ from hexiseq.search.hierarchy import plan_for_choices
 from hexiseq.search.local_milp import busy_bound_s, parts_bound_s
 from hexiseq.search.objective import quantum_choices
 from hexiseq.search.screen import estimate_s, memory_binds, simulated_first_s
-from hexiseq.search.shortlist import HOPELESS_RATIO, screen_degrees, shortlist
+from hexiseq.search.shortlist import (
+    CLOSE_RATIO,
+    HOPELESS_RATIO,
+    hopeless_ratio,
+    screen_degrees,
+    shortlist,
+)
 
 
 def paper_problem(seq_len: int = 256 * 1024) -> Problem:
@@ -82,7 +88,7 @@ def test_screen_degrees_cover_small_nodes_fully_and_large_ones_by_powers_of_two(
 
 def test_hopeless_short_list_candidates_are_left_out_without_changing_the_plan(monkeypatch):
     """512 GPUs: the descent's low HP degrees run many times slower than the best plan;
-    those estimated over HOPELESS_RATIO x a scored step are not scored, and scoring them
+    those estimated over `hopeless_ratio` x a scored step are not scored, and scoring them
     anyway finds the same plan."""
     nodes = [
         {"name": f"n{i}", "gpu": ("H100-SXM", "A100-80G")[i % 2], "count": 8} for i in range(64)
@@ -105,11 +111,47 @@ def test_hopeless_short_list_candidates_are_left_out_without_changing_the_plan(m
     monkeypatch.setattr(optuna_layer, "shortlist", recording_shortlist)
     monkeypatch.setattr(optuna_layer, "hopeless", recording_hopeless)
     pruned = plan_search(cluster, "llama3-8b", "1M")
-    assert left_out and all(ratio > HOPELESS_RATIO for ratio in left_out)
+    assert left_out and all(ratio > hopeless_ratio(cluster.world_size) for ratio in left_out)
     assert searched(pruned) == len(listed) - len(left_out)
     monkeypatch.setattr(shortlist_module, "HOPELESS_RATIO", math.inf)
+    monkeypatch.setattr(shortlist_module, "CLOSE_RATIO", math.inf)
     everything = plan_search(cluster, "llama3-8b", "1M")
     assert searched(everything) == len(listed)
+    assert everything.best.predicted.tokens_per_s == pruned.best.predicted.tokens_per_s
+    assert everything.best.knobs == pruned.best.knobs
+
+
+def test_on_large_clusters_candidates_estimated_slower_than_a_scored_plan_are_left_out(
+    monkeypatch,
+):
+    """128 GPUs of 2 types: three of the short list's candidates are estimated 1.05-1.13x
+    the fastest step scored before them; from CLOSE_FROM devices they are not scored (below
+    it, only those over HOPELESS_RATIO x are), and scoring them finds the same plan."""
+    nodes = [
+        {"name": f"n{i}", "gpu": ("H100-SXM", "A100-80G")[i % 2], "count": 8} for i in range(16)
+    ]
+    network = {"inter_node_GBps": 50}
+    cluster = Cluster.from_dict({"name": "wide", "nodes": nodes, "network": network})
+    assert hopeless_ratio(cluster.world_size) == CLOSE_RATIO
+    assert hopeless_ratio(shortlist_module.CLOSE_FROM - 1) == HOPELESS_RATIO
+    left_out = []
+    real_hopeless = optuna_layer.hopeless
+
+    def recording_hopeless(problem, choices, best_step_s):
+        verdict = real_hopeless(problem, choices, best_step_s)
+        if verdict:
+            left_out.append(estimate_s(problem, choices) / best_step_s)
+        return verdict
+
+    monkeypatch.setattr(optuna_layer, "hopeless", recording_hopeless)
+    pruned = plan_search(cluster, "llama3-8b", "1M")
+    assert left_out and all(CLOSE_RATIO < ratio <= HOPELESS_RATIO for ratio in left_out)
+    closely_left_out = len(left_out)
+    monkeypatch.setattr(shortlist_module, "CLOSE_FROM", math.inf)
+    left_out.clear()
+    everything = plan_search(cluster, "llama3-8b", "1M")
+    assert not left_out
+    assert searched(everything) == searched(pruned) + closely_left_out
     assert everything.best.predicted.tokens_per_s == pruned.best.predicted.tokens_per_s
     assert everything.best.knobs == pruned.best.knobs
 
