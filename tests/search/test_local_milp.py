@@ -447,3 +447,41 @@ def test_the_local_solve_goes_on_while_its_splits_gain(monkeypatch):
     assert step_s() == pytest.approx(even_s, rel=1e-9)
     monkeypatch.setattr(local_milp, "KEEP_GAINING", 1.0)  # stops after the third, as before
     assert step_s() > 1.05 * even_s
+
+
+def test_a_later_round_whose_split_lost_is_solved_at_the_secants_before_it_too(monkeypatch):
+    """1024 GPUs of 8 types, HP 8 everywhere, at 1M tokens (quantum 64): the second split
+    gains over 0.5 % on the first, so a third round runs, and its split is slower than the
+    second's. The full solve at the third's secants alone (as before) gives a plan 0.17 %
+    slower than the solve at the second's, which the local solve now also makes and keeps."""
+    from hexiseq.search import local_milp
+
+    gpus = ("H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G")
+    nodes = [{"name": f"node{i}", "gpu": gpus[i % 8], "count": 8} for i in range(128)]
+    network = {
+        "inter_node_GBps": 50.0,
+        "overrides": [{"a": "node0", "b": "node1", "GBps": 25.0}],
+    }
+    cluster = Cluster.from_dict({"name": "wide", "nodes": nodes, "network": network})
+    problem = problem_for(cluster, "llama3-8b", 1 << 20, checkpointing=False)
+    choices = GlobalChoices(dict.fromkeys(gpus, 8), "bandwidth", 64, False)
+    kept = []
+    real_faster_solve = local_milp._faster_solve
+
+    def recording(problem, model, secants, found, solved, laid_out):
+        chosen = real_faster_solve(problem, model, secants, found, solved, laid_out)
+        kept.append("earlier" if chosen[1] is solved else "lost round's")
+        return chosen
+
+    monkeypatch.setattr(local_milp, "_faster_solve", recording)
+    both_s = plan_for_choices(problem, choices).predicted.step_time_s
+    assert kept == ["earlier"]
+
+    def lost_round_only(problem, model, secants, found, solved, laid_out):
+        found = model.solve(secants)
+        return found, laid_out(found[0])
+
+    monkeypatch.setattr(local_milp, "_faster_solve", lost_round_only)
+    problem.cache.clear()
+    lost_only_s = plan_for_choices(problem, choices).predicted.step_time_s
+    assert both_s < lost_only_s / 1.001
