@@ -90,26 +90,16 @@ def test_hopeless_short_list_candidates_are_left_out_without_changing_the_plan(m
     """512 GPUs: the descent's low HP degrees run many times slower than the best plan;
     those estimated over `hopeless_ratio` x a scored step are not scored, and scoring them
     anyway finds the same plan."""
-    nodes = [
-        {"name": f"n{i}", "gpu": ("H100-SXM", "A100-80G")[i % 2], "count": 8} for i in range(64)
-    ]
-    network = {"inter_node_GBps": 50}
-    cluster = Cluster.from_dict({"name": "big", "nodes": nodes, "network": network})
-    listed, left_out = [], []
-    real_shortlist, real_hopeless = optuna_layer.shortlist, optuna_layer.hopeless
+    cluster = h100_a100_nodes(64)
+    listed = []
+    real_shortlist = optuna_layer.shortlist
 
     def recording_shortlist(problem, quanta, ahead=None):
         listed[:] = real_shortlist(problem, quanta, ahead)
         return listed
 
-    def recording_hopeless(problem, choices, best_step_s):
-        verdict = real_hopeless(problem, choices, best_step_s)
-        if verdict:
-            left_out.append(estimate_s(problem, choices) / best_step_s)
-        return verdict
-
     monkeypatch.setattr(optuna_layer, "shortlist", recording_shortlist)
-    monkeypatch.setattr(optuna_layer, "hopeless", recording_hopeless)
+    left_out = recorded_left_out(monkeypatch)
     pruned = plan_search(cluster, "llama3-8b", "1M")
     assert left_out and all(ratio > hopeless_ratio(cluster.world_size) for ratio in left_out)
     assert searched(pruned) == len(listed) - len(left_out)
@@ -127,23 +117,10 @@ def test_on_large_clusters_candidates_estimated_slower_than_a_scored_plan_are_le
     """128 GPUs of 2 types: three of the short list's candidates are estimated 1.05-1.13x
     the fastest step scored before them; from CLOSE_FROM devices they are not scored (below
     it, only those over HOPELESS_RATIO x are), and scoring them finds the same plan."""
-    nodes = [
-        {"name": f"n{i}", "gpu": ("H100-SXM", "A100-80G")[i % 2], "count": 8} for i in range(16)
-    ]
-    network = {"inter_node_GBps": 50}
-    cluster = Cluster.from_dict({"name": "wide", "nodes": nodes, "network": network})
+    cluster = h100_a100_nodes(16)
     assert hopeless_ratio(cluster.world_size) == CLOSE_RATIO
     assert hopeless_ratio(shortlist_module.CLOSE_FROM - 1) == HOPELESS_RATIO
-    left_out = []
-    real_hopeless = optuna_layer.hopeless
-
-    def recording_hopeless(problem, choices, best_step_s):
-        verdict = real_hopeless(problem, choices, best_step_s)
-        if verdict:
-            left_out.append(estimate_s(problem, choices) / best_step_s)
-        return verdict
-
-    monkeypatch.setattr(optuna_layer, "hopeless", recording_hopeless)
+    left_out = recorded_left_out(monkeypatch)
     pruned = plan_search(cluster, "llama3-8b", "1M")
     assert left_out and all(CLOSE_RATIO < ratio <= HOPELESS_RATIO for ratio in left_out)
     closely_left_out = len(left_out)
@@ -154,6 +131,30 @@ def test_on_large_clusters_candidates_estimated_slower_than_a_scored_plan_are_le
     assert searched(everything) == searched(pruned) + closely_left_out
     assert everything.best.predicted.tokens_per_s == pruned.best.predicted.tokens_per_s
     assert everything.best.knobs == pruned.best.knobs
+
+
+def h100_a100_nodes(count: int) -> Cluster:
+    """`count` nodes of 8 GPUs, H100 and A100 by turns, 50 GB/s between them."""
+    nodes = [
+        {"name": f"n{i}", "gpu": ("H100-SXM", "A100-80G")[i % 2], "count": 8} for i in range(count)
+    ]
+    return Cluster.from_dict({"name": "wide", "nodes": nodes, "network": {"inter_node_GBps": 50}})
+
+
+def recorded_left_out(monkeypatch) -> list[float]:
+    """The estimate / scored step of each short-list candidate the search's `hopeless`
+    leaves out from now on."""
+    left_out = []
+    real_hopeless = optuna_layer.hopeless
+
+    def recording_hopeless(problem, choices, best_step_s):
+        verdict = real_hopeless(problem, choices, best_step_s)
+        if verdict:
+            left_out.append(estimate_s(problem, choices) / best_step_s)
+        return verdict
+
+    monkeypatch.setattr(optuna_layer, "hopeless", recording_hopeless)
+    return left_out
 
 
 def searched(result) -> int:
