@@ -64,9 +64,10 @@ KEEP_GAINING = 0.005
 moved some class's times by over RELINEARIZE_AGAIN (relative): the split is then far from
 where the secants were taken; and again, up to MAX_LINEARIZATIONS in all, while the last
 split simulated at least KEEP_GAINING faster than the one before it. Where such a later
-round's split is no faster than the one before it, the solve uses the secants of that one
-(on 1024 GPUs of 8 types the third round's split was 0.17 % slower than the second's, and
-solving at its secants gave a plan 0.17 % slower than solving at the second's).
+round's split is no faster than the one before it, the full solve runs at both rounds'
+secants and keeps the faster (`_faster_solve`): on 1024 GPUs of 8 types the third round's
+split was 0.17 % slower than the second's, and the solve at its secants alone gave a plan
+0.17 % slower than the solve at the second's.
 Measured on the search's local solves: on the planner-scaling cells of 16-128 GPUs the
 second linearization moved the times by at most 18 %; on plan_quality #16 (seed 2024) by up
 to 118 %, where the start from the screen's busy rates put four RTX 4090s at 256 tokens each
