@@ -46,6 +46,12 @@ TYPE_COUNTS = (1, 2, 4, 8)
 QUICK_SIZES, QUICK_TYPE_COUNTS = (16, 128, 1024), (1, 4, 8)
 REPEATS, QUICK_REPEATS = 5, 3
 GOAL_UP_TO_128_S, GOAL_1024_S = 0.1, 1.0
+CALIBRATION_LOOPS = 3_000_000
+QUIET_CALIBRATION_S = 0.13
+"""A plain Python loop of CALIBRATION_LOOPS steps (`calibration_s`) took about this long on
+this 2-core machine when nothing else ran on its host; the same loop has read 0.15-0.42 s
+within minutes of that, and the cells' times move with it. Each run reports the loop before
+and after its cells."""
 
 
 @dataclass(frozen=True)
@@ -196,6 +202,25 @@ def check_goals(cells: list[CellResult]) -> list[str]:
     return lines
 
 
+def calibration_s() -> float:
+    """Median seconds of three runs of a plain Python loop: the machine's speed just now."""
+    times_s = []
+    for _ in range(3):
+        started, total = time.perf_counter(), 0
+        for i in range(CALIBRATION_LOOPS):
+            total += i * i
+        times_s.append(time.perf_counter() - started)
+    return statistics.median(times_s)
+
+
+def machine_line(before_s: float, after_s: float) -> str:
+    return (
+        f"- Machine speed: a plain Python loop ({CALIBRATION_LOOPS:,} steps) took "
+        f"{before_s:.3f} s before the cells and {after_s:.3f} s after them "
+        f"({QUIET_CALIBRATION_S} s when the host is quiet; the cells' times move with it)"
+    )
+
+
 def update_results(table: str, goals: list[str], repeats: int, command: str) -> None:
     """Replace this benchmark's section of RESULTS.md (between its markers), or append it."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -253,12 +278,14 @@ def main(argv: list[str] | None = None) -> int:
     repeats = QUICK_REPEATS if args.quick else REPEATS
     # Imports (Optuna, SciPy's HiGHS) load on the first search: pay for them outside any cell.
     timed_search(Cluster.from_dict(_import_warmup_cluster()), "64K")
+    before_s = calibration_s()
     cells = []
     for gpus in sorted(sizes):
         for type_count in sorted(type_counts):
             cells.append(measure_cell(gpus, type_count, repeats))
             print(f"measured {gpus} GPUs x {type_count} types", file=sys.stderr, flush=True)
     table, goals = format_table(cells), check_goals(cells)
+    goals.append(machine_line(before_s, calibration_s()))
     print(table, *goals, sep="\n")
     if not args.no_write:
         command = shlex.join([".venv/bin/python", "benchmarks/planner_scaling.py", *argv])
