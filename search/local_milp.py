@@ -163,8 +163,7 @@ def solve_local(
     solved = _laid_out(problem, groups, heads, quantum, classes, class_units)
     if lost is not None:
         lay_out = partial(_laid_out, problem, groups, heads, quantum, classes)
-        found, solved = _faster_solve(problem, model, lost, found, solved, lay_out)
-        class_units, class_shares = found
+        (_, class_shares), solved = _faster_solve(problem, model, lost, found, solved, lay_out)
     faster = _faster_tried(problem, solved, tried)
     if faster is not None:
         even = tuple(even_state_fractions(problem.cluster.world_size))

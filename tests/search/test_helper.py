@@ -9,6 +9,7 @@ import time
 from dataclasses import FrozenInstanceError, replace
 
 import pytest
+from scaling_clusters import planner_scaling_cluster
 
 from hexiseq import Cluster, ModelSpec, TrainSpec
 from hexiseq.costmodel import DatasheetCostModel
@@ -385,14 +386,6 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
     assert added == 2 and set(objective.cache) == {first.key(), last.key()}
     scored = [optuna_layer.choices_from_params(problem, t.params) for t in study.trials]
     assert [c.key() for c in scored] == [first.key(), last.key()]
-
-
-def planner_scaling_cluster(gpus: int, types: list[str]) -> Cluster:
-    """`gpus` GPUs in nodes of 8, the types round-robin by node (planner_scaling's cells)."""
-    nodes = [
-        {"name": f"node{i}", "gpu": types[i % len(types)], "count": 8} for i in range(gpus // 8)
-    ]
-    return Cluster.from_dict({"name": "cell", "nodes": nodes, "network": {"inter_node_GBps": 50}})
 
 
 def test_the_checkpointed_descent_in_the_helper_lists_what_this_process_would(monkeypatch):

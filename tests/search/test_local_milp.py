@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from scaling_clusters import planner_scaling_cluster
 
 from hexiseq import Cluster, ModelSpec, Plan, TrainSpec
 from hexiseq.costmodel import DatasheetCostModel
@@ -457,12 +458,7 @@ def test_a_later_round_whose_split_lost_is_solved_at_the_secants_before_it_too(m
     from hexiseq.search import local_milp
 
     gpus = ("H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G")
-    nodes = [{"name": f"node{i}", "gpu": gpus[i % 8], "count": 8} for i in range(128)]
-    network = {
-        "inter_node_GBps": 50.0,
-        "overrides": [{"a": "node0", "b": "node1", "GBps": 25.0}],
-    }
-    cluster = Cluster.from_dict({"name": "wide", "nodes": nodes, "network": network})
+    cluster = planner_scaling_cluster(1024, gpus, slow_pair_GBps=25.0)
     problem = problem_for(cluster, "llama3-8b", 1 << 20, checkpointing=False)
     choices = GlobalChoices(dict.fromkeys(gpus, 8), "bandwidth", 64, False)
     kept = []

@@ -6,6 +6,8 @@ import itertools
 import math
 from dataclasses import replace
 
+from scaling_clusters import planner_scaling_cluster
+
 import hexiseq.search.optuna_layer as optuna_layer
 import hexiseq.search.screen as screen
 import hexiseq.search.shortlist as shortlist_module
@@ -24,6 +26,8 @@ from hexiseq.search.shortlist import (
     screen_degrees,
     shortlist,
 )
+
+H100_A100 = ("H100-SXM", "A100-80G")
 
 
 def paper_problem(seq_len: int = 256 * 1024) -> Problem:
@@ -90,7 +94,7 @@ def test_hopeless_short_list_candidates_are_left_out_without_changing_the_plan(m
     """512 GPUs: the descent's low HP degrees run many times slower than the best plan;
     those estimated over `hopeless_ratio` x a scored step are not scored, and scoring them
     anyway finds the same plan."""
-    cluster = h100_a100_nodes(64)
+    cluster = planner_scaling_cluster(512, H100_A100)
     listed = []
     real_shortlist = optuna_layer.shortlist
 
@@ -117,7 +121,7 @@ def test_on_large_clusters_candidates_estimated_slower_than_a_scored_plan_are_le
     """128 GPUs of 2 types: three of the short list's candidates are estimated 1.05-1.13x
     the fastest step scored before them; from CLOSE_FROM devices they are not scored (below
     it, only those over HOPELESS_RATIO x are), and scoring them finds the same plan."""
-    cluster = h100_a100_nodes(16)
+    cluster = planner_scaling_cluster(128, H100_A100)
     assert hopeless_ratio(cluster.world_size) == CLOSE_RATIO
     assert hopeless_ratio(shortlist_module.CLOSE_FROM - 1) == HOPELESS_RATIO
     left_out = recorded_left_out(monkeypatch)
@@ -131,14 +135,6 @@ def test_on_large_clusters_candidates_estimated_slower_than_a_scored_plan_are_le
     assert searched(everything) == searched(pruned) + closely_left_out
     assert everything.best.predicted.tokens_per_s == pruned.best.predicted.tokens_per_s
     assert everything.best.knobs == pruned.best.knobs
-
-
-def h100_a100_nodes(count: int) -> Cluster:
-    """`count` nodes of 8 GPUs, H100 and A100 by turns, 50 GB/s between them."""
-    nodes = [
-        {"name": f"n{i}", "gpu": ("H100-SXM", "A100-80G")[i % 2], "count": 8} for i in range(count)
-    ]
-    return Cluster.from_dict({"name": "wide", "nodes": nodes, "network": {"inter_node_GBps": 50}})
 
 
 def recorded_left_out(monkeypatch) -> list[float]:
