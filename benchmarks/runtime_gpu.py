@@ -505,7 +505,11 @@ def render(report: dict) -> str:
     memory = "peak RSS GiB" if meta["device_kind"] == "cpu" else "peak GiB"
     lines = [
         "## Runtime vs Hugging Face transformers"
-        + (" (CPU stand-in: small model, fp32)" if meta["device_kind"] == "cpu" else ""),
+        + (
+            " (CPU stand-in: small model, fp32)"
+            if meta["device_kind"] == "cpu"
+            else f" ({meta['gpu']})"
+        ),
         "",
         _intro(meta, model, peak_flops),
         "",
