@@ -4,6 +4,8 @@ InfeasibleError, never anything else (issue 17's boundary, over the search's ent
 from __future__ import annotations
 
 import math
+import signal
+from contextlib import contextmanager
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -40,11 +42,32 @@ SEQ_LENS = st.one_of(
 )
 
 
+EXAMPLE_LIMIT_S = 60  # examples take well under a second; a hang fails with its input
+
+
+@contextmanager
+def time_limit(seconds: int):
+    """Raise TimeoutError in the main thread after `seconds`: a hung search then fails as an
+    example Hypothesis reports (input and the stack where it hung), not a stalled CI run."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"plan_search ran over {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.fixed_dictionaries({}, optional=OPTIONS), SEQ_LENS)
 def test_plan_search_gives_a_plan_or_one_clear_error(options, seq_len):
     try:
-        result = plan_search("cpu-emulated-2type", "tiny", seq_len, **options)
+        with time_limit(EXAMPLE_LIMIT_S):
+            result = plan_search("cpu-emulated-2type", "tiny", seq_len, **options)
     except (InputError, InfeasibleError) as error:
         assert str(error) and "\n" not in str(error).strip()
         return
