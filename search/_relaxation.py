@@ -11,13 +11,14 @@ shares f and the largest block B. Its rows split in two:
 
 Dropping the memory rows leaves a relaxation of the relaxation whose optimum T0 is the least
 T at which the ranges can cover the sequence: one monotone condition. Most often the busy
-rows alone set it, and their root comes by Newton steps (`_busy_root`); else a vectorized
-bisection finds it. If some point at T0 also satisfies every memory row (the units chosen
-inside the ranges, B as small as they allow, each state-share column as large as its rows
-allow, and the shares summing to at least one), T0 is the LP's optimum exactly: the LP
-cannot be below T0, and that point is feasible for it. Otherwise (memory binds) the caller
-solves the LP. The screen scores hundreds of candidates this way at a fraction of an LP's
-cost.
+rows alone set it, and their root comes by Newton steps (`_busy_root`); where the ring's
+rows bind, their root comes from each pair of lines that must cross and Newton steps on the
+classes' least units (`_Ranges._ring_root`); a vectorized bisection is the fallback. If
+some point at T0 also satisfies every memory row (the units chosen inside the ranges, B as
+small as they allow, each state-share column as large as its rows allow, and the shares
+summing to at least one), T0 is the LP's optimum exactly: the LP cannot be below T0, and
+that point is feasible for it. Otherwise (memory binds) the caller solves the LP. The
+screen scores hundreds of candidates this way at a fraction of an LP's cost.
 """
 
 from __future__ import annotations
@@ -88,12 +89,68 @@ class _Ranges:
 
     def least_step_s(self) -> float | None:
         """The least T at which the ranges cover the sequence (None: no T does). Most often
-        the busy rows alone set it: their root (`_busy_root`) is tried first, and only
-        where the ring's or the classes' sizes bind does a bisection search further up."""
+        the busy rows alone set it: their root (`_busy_root`) is tried first; where the
+        ring's rows bind, their root (`_ring_root`) next; the bisection is the fallback."""
         busy_s = _busy_root(self.counts, self.smallest, self.times, self.low_sum)
-        guess_s = busy_s * (1 + RELATIVE_TOLERANCE)
-        if self.feasible(np.array([guess_s]))[0]:
-            return guess_s
+        for root_s in (busy_s, self._ring_root(busy_s)):
+            if root_s is not None:
+                guess_s = root_s * (1 + RELATIVE_TOLERANCE)
+                if self.feasible(np.array([guess_s]))[0]:
+                    return guess_s
+        return self._bisected_s()
+
+    def _ring_root(self, floor_s: float) -> float | None:
+        """The least T from `floor_s` (the busy rows' root) at which the ring's rows hold
+        too (None where none is found: the bisection decides). Each member n with ring
+        traffic needs at least (tokens - (T - fixed_n) / ring_n) / block units in its
+        class, a line falling in T. Every member m of that class must compute them: m's
+        rising cap crosses that line at a T worked out pair by pair (`_pair_root`). And
+        the classes' least units must fit the sequence: a sum over classes of maxima of
+        falling lines, convex in T, which Newton steps from below reach without passing
+        (any line of each maximum lies under it)."""
+        ring = self.ring > 0
+        if not ring.any():
+            return None
+        owner = np.repeat(np.arange(len(self.counts)), np.diff([*self.starts, len(self.ring)]))
+        per_ring_s = np.where(ring, self.ring, 1.0) * self.block  # seconds per unit
+        falls = np.where(ring, 1.0 / per_ring_s, 0.0)  # units per second
+        step_s = max(floor_s, self._pair_root(owner, ring))
+        for _ in range(_NEWTON_STEPS):
+            ring_units = self.total_tokens / self.block - (step_s - self.fixed) * falls
+            need = np.where(ring, ring_units, -np.inf)
+            most = np.maximum.reduceat(need, self.starts)
+            excess = float(np.maximum(most, self.smallest) @ self.counts) - self.high_sum
+            if excess <= self.high_sum * RELATIVE_TOLERANCE:
+                return step_s  # the caller's check, a hair above, confirms it
+            # each class's flattest line at its maximum (none where its size binds)
+            active = (need == most[owner]) & (most[owner] > self.smallest[owner])
+            flattest = np.full(len(self.counts), np.inf)
+            np.minimum.at(flattest, owner[active], falls[active])
+            slope = float(np.where(np.isfinite(flattest), flattest, 0.0) @ self.counts)
+            if slope <= 0:
+                return None
+            step_s += excess / slope
+        return None
+
+    def _pair_root(self, owner: np.ndarray, ring: np.ndarray) -> float:
+        """The least T at which every member's cap in a class reaches every ring need of
+        that class: (T - fixed_m) / per_unit_m - 1 >= (tokens - (T - fixed_n) / ring_n) /
+        block for each pair (m, n) of one class."""
+        busy = self.per_unit > 0
+        m = np.flatnonzero(busy)
+        n = np.flatnonzero(ring)
+        same = owner[m][:, None] == owner[n][None, :]
+        if not same.any():
+            return 0.0
+        rise = 1.0 / self.per_unit[m][:, None]
+        fall = 1.0 / (self.ring[n][None, :] * self.block)
+        reach = self.total_tokens / self.block + 1.0 + self.fixed[m][:, None] * rise
+        reach = reach + self.fixed[n][None, :] * fall
+        return float(np.max(np.where(same, reach / (rise + fall), -np.inf)))
+
+    def _bisected_s(self) -> float | None:
+        """The least T by bisection: doublings from the largest fixed seconds to the first
+        T that fits, then rounds of POINTS step times each."""
         floor_s = float(np.max(self.fixed)) if len(self.fixed) else 0.0
         start_s = max(floor_s, 1e-12)
         doublings = floor_s + start_s * (2.0 ** np.arange(_DOUBLINGS) - 1.0)

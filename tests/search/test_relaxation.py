@@ -10,7 +10,7 @@ import pytest
 from test_local_milp import big_and_small, model_and_times, problem_for, three_types
 
 from hexiseq import Cluster
-from hexiseq.search._relaxation import busy_bound_s, unconstrained_optimum
+from hexiseq.search._relaxation import _busy_root, _Ranges, busy_bound_s, unconstrained_optimum
 from hexiseq.search.greedy import GlobalChoices
 from hexiseq.search.screen import bound_s, estimate_s, fastest_estimated, tie_key
 from hexiseq.search.shortlist import screen_degrees
@@ -67,6 +67,43 @@ def test_the_busy_bound_never_exceeds_the_lp(seq_len):
         assert bound > 0
         if lp is not None:
             assert bound <= lp * (1 + 1e-12)
+
+
+def slow_ring() -> Cluster:
+    """plan_quality #16's nodes at 12.5 GB/s: the ring, not busy work, sets most optima."""
+    nodes = [("n0", "A100-80G", 1), ("n1", "A100-80G", 5), ("n2", "A100-40G", 2)]
+    nodes.append(("n3", "RTX-4090", 4))
+    return Cluster.from_dict(
+        {
+            "name": "slow-ring",
+            "nodes": [{"name": n, "gpu": g, "count": c} for n, g, c in nodes],
+            "network": {"inter_node_GBps": 12.5},
+        }
+    )
+
+
+@pytest.mark.parametrize("quantum", [128, 256, 512])
+def test_the_ring_bound_least_step_is_the_bisections(quantum):
+    """Where the ring's rows bind, the least step time comes from the pairs' crossings and
+    Newton steps on the classes' least units: the bisection's answer (1e-12 wide), and a
+    point that fits, on every HP mix of the slow-ring cluster."""
+    problem = problem_for(slow_ring(), "tiny-7h", 64 * 1024, checkpointing=False)
+    ring_bound = 0
+    for a80, a40, rtx in itertools.product((1, 5), (1, 2), (1, 2, 4)):
+        degrees = {"A100-80G": a80, "A100-40G": a40, "RTX-4090": rtx}
+        model, times, _ = model_and_times(problem, degrees, quantum)
+        ranges = _Ranges(model, times)
+        busy_s = _busy_root(ranges.counts, ranges.smallest, times, ranges.low_sum)
+        if ranges.feasible(np.array([busy_s * (1 + 1e-12)]))[0]:
+            continue  # busy work sets it: not this test's case
+        ring_bound += 1
+        exact_s, bisected_s = ranges._ring_root(busy_s), ranges._bisected_s()
+        assert exact_s is not None and bisected_s is not None
+        assert exact_s == pytest.approx(bisected_s, rel=2e-12)
+        assert ranges.feasible(np.array([exact_s * (1 + 1e-12)]))[0]
+        assert not ranges.feasible(np.array([exact_s * (1 - 1e-9)]))[0]
+        assert ranges.least_step_s() == pytest.approx(bisected_s, rel=2e-12)
+    assert ring_bound >= 6
 
 
 def one_type_moves(problem) -> list[GlobalChoices]:
