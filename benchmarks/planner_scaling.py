@@ -10,12 +10,18 @@ of 4 / 8 types: 4 / 2 per node; 32 GPUs of 8 types: 4 per node), marked in the t
 50 GB/s between nodes except the first two nodes, joined at 25 GB/s, so the ring order matters.
 Llama-3-8B at 1M tokens, falling back to 512K (said in the row) where no plan fits.
 
+Beside the grid, the 20 random clusters of `plan_quality.py` (seed 2024: 2-4 nodes of 1-6
+GPUs, 5-12 in all, 2-3 types, four models at 64K-512K tokens), timed the same way: the goal
+holds for every cluster up to 128 GPUs, and small irregular clusters are where the polish
+evaluates the most neighbours.
+
 Wall time is the median of 5 searches after one warm-up search of the same cluster (the
 warm-up fills the per-cluster ring-order cache; its time is shown as "first run s").
 
 Run: `.venv/bin/python benchmarks/planner_scaling.py [--quick] [--sizes N ...] [--types K ...]
-[--no-write]` (prints a table and the goal checks, and updates the "Planner scaling" section of
-benchmarks/RESULTS.md unless `--no-write`).
+[--no-random | --random-only] [--no-write]` (prints the tables and the goal checks, and
+updates the "Planner scaling" section of benchmarks/RESULTS.md unless `--no-write`;
+`--quick` leaves the random clusters out).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from _results import replace_section
 
 from hexiseq import Cluster, InfeasibleError, InfeasiblePlan, Plan, plan_search
 from hexiseq.search import SearchResult
+from hexiseq.units import format_tokens
 
 GPU_CYCLE = ("H100-SXM", "A100-80G", "H200", "L40S", "A800-80G", "H800", "B200", "V100-32G")
 GPUS_PER_NODE = 8
@@ -46,6 +53,7 @@ TYPE_COUNTS = (1, 2, 4, 8)
 QUICK_SIZES, QUICK_TYPE_COUNTS = (16, 128, 1024), (1, 4, 8)
 REPEATS, QUICK_REPEATS = 5, 3
 GOAL_UP_TO_128_S, GOAL_1024_S = 0.1, 1.0
+RANDOM_SEED, RANDOM_COUNT = 2024, 20  # plan_quality.py's 20 random clusters
 CALIBRATION_LOOPS = 3_000_000
 QUIET_CALIBRATION_S = 0.13
 """A plain Python loop of CALIBRATION_LOOPS steps (`calibration_s`) took about this long on
@@ -67,6 +75,19 @@ class CellResult:
     tokens_per_s: float | None  # None: no plan fits even at the fallback length
     speedup: str
     hp_degrees: str
+
+
+@dataclass(frozen=True)
+class RandomResult:
+    """One of plan_quality.py's random clusters: what it is and its wall times in seconds."""
+
+    index: int
+    cluster: str
+    gpus: int
+    nodes: int
+    model: str
+    seq_len: int
+    times_s: list[float]
 
 
 def gpus_per_node(gpus: int, type_count: int) -> int:
@@ -94,11 +115,13 @@ def build_cluster(gpus: int, type_count: int) -> Cluster:
     return Cluster.from_dict({"name": name, "nodes": nodes, "network": network})
 
 
-def timed_search(cluster: Cluster, seq_len: str) -> tuple[float, SearchResult | None]:
+def timed_search(
+    cluster: Cluster, seq_len: str | int, model: str = MODEL
+) -> tuple[float, SearchResult | None]:
     """Wall seconds of one default `plan_search`, and its result (None: nothing fits)."""
     started = time.perf_counter()
     try:
-        result = plan_search(cluster, MODEL, seq_len)
+        result = plan_search(cluster, model, seq_len)
     except InfeasibleError:
         result = None
     return time.perf_counter() - started, result
@@ -123,6 +146,29 @@ def measure_cell(gpus: int, type_count: int, repeats: int) -> CellResult:
         describe_speedup(result),
         describe_hp_degrees(result.best) if result else "-",
     )
+
+
+def measure_random(repeats: int) -> list[RandomResult]:
+    """plan_quality.py's random clusters (each warmed up once), `repeats` searches each."""
+    from plan_quality import describe_cluster, draw_cases
+
+    results = []
+    for case in draw_cases(RANDOM_COUNT, RANDOM_SEED)[0]:
+        timed_search(case.cluster, case.seq_len, case.model)
+        times_s = [timed_search(case.cluster, case.seq_len, case.model)[0] for _ in range(repeats)]
+        cluster = case.cluster
+        results.append(
+            RandomResult(
+                case.index,
+                describe_cluster(cluster),
+                cluster.world_size,
+                len(cluster.nodes),
+                case.model,
+                case.seq_len,
+                times_s,
+            )
+        )
+    return results
 
 
 def describe_speedup(result: SearchResult | None) -> str:
@@ -172,10 +218,39 @@ def format_table(cells: list[CellResult]) -> str:
     return "\n".join(lines + [format_row(cell) for cell in cells])
 
 
+def format_random_table(results: list[RandomResult]) -> str:
+    lines = [
+        "| # | cluster (inter-node GB/s) | model @ tokens | GPUs | nodes | median s | min-max s |",
+        "|---:|---|---|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.index} | {r.cluster} | {r.model} @ {format_tokens(r.seq_len)} | {r.gpus} "
+            f"| {r.nodes} | {statistics.median(r.times_s):.3f} "
+            f"| {min(r.times_s):.3f}-{max(r.times_s):.3f} |"
+        )
+    return "\n".join(lines)
+
+
+def check_random_goal(results: list[RandomResult]) -> str:
+    """The <= 0.1 s goal over the random clusters."""
+    medians = {r.index: statistics.median(r.times_s) for r in results}
+    slowest = max(medians, key=medians.get)
+    over = sum(1 for s in medians.values() if s > GOAL_UP_TO_128_S)
+    verdict = "met" if not over else f"not met in {over} of {len(medians)}"
+    return (
+        f"- Goal <= {GOAL_UP_TO_128_S} s on plan_quality.py's {len(medians)} random clusters: "
+        f"{verdict} (slowest {medians[slowest]:.3f} s, #{slowest}; median of the medians "
+        f"{statistics.median(medians.values()):.3f} s)"
+    )
+
+
 def check_goals(cells: list[CellResult]) -> list[str]:
     """One line per goal: met / not met, with the measured medians."""
     medians = {(c.gpus, c.type_count): statistics.median(c.times_s) for c in cells}
     lines = []
+    if not cells:
+        return lines
     small = {key: s for key, s in medians.items() if key[0] <= 128}
     if small:
         slowest = max(small, key=small.get)
@@ -221,7 +296,9 @@ def machine_line(before_s: float, after_s: float) -> str:
     )
 
 
-def update_results(table: str, goals: list[str], repeats: int, command: str) -> None:
+def update_results(
+    table: str, random_table: str, goals: list[str], repeats: int, command: str
+) -> None:
     """Replace this benchmark's section of RESULTS.md (between its markers), or append it."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join(
@@ -240,6 +317,16 @@ def update_results(table: str, goals: list[str], repeats: int, command: str) -> 
             "",
             table,
             "",
+            *(
+                [
+                    "The 20 random clusters of `plan_quality.py` (seed 2024), same timing:",
+                    "",
+                    random_table,
+                    "",
+                ]
+                if random_table
+                else []
+            ),
             *goals,
             "",
             f"Produced by `{command}`.",
@@ -266,6 +353,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="K",
         help=f"from {TYPE_COUNTS}",
     )
+    random = parser.add_mutually_exclusive_group()
+    random.add_argument(
+        "--no-random", action="store_true", help="leave plan_quality.py's random clusters out"
+    )
+    random.add_argument(
+        "--random-only", action="store_true", help="time plan_quality.py's random clusters only"
+    )
     parser.add_argument("--no-write", action="store_true", help="do not update RESULTS.md")
     return parser.parse_args(argv)
 
@@ -280,16 +374,22 @@ def main(argv: list[str] | None = None) -> int:
     timed_search(Cluster.from_dict(_import_warmup_cluster()), "64K")
     before_s = calibration_s()
     cells = []
-    for gpus in sorted(sizes):
+    for gpus in sorted(sizes) if not args.random_only else ():
         for type_count in sorted(type_counts):
             cells.append(measure_cell(gpus, type_count, repeats))
             print(f"measured {gpus} GPUs x {type_count} types", file=sys.stderr, flush=True)
-    table, goals = format_table(cells), check_goals(cells)
+    with_random = args.random_only or not (args.quick or args.no_random)
+    random_results = measure_random(repeats) if with_random else []
+    table = format_table(cells) if cells else ""
+    random_table = format_random_table(random_results) if random_results else ""
+    goals = check_goals(cells)
+    if random_results:
+        goals.append(check_random_goal(random_results))
     goals.append(machine_line(before_s, calibration_s()))
-    print(table, *goals, sep="\n")
+    print(table, random_table, *goals, sep="\n")
     if not args.no_write:
         command = shlex.join([".venv/bin/python", "benchmarks/planner_scaling.py", *argv])
-        update_results(table, goals, repeats, command)
+        update_results(table, random_table, goals, repeats, command)
     return 0
 
 
