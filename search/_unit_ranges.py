@@ -4,6 +4,7 @@ integer units)."""
 from __future__ import annotations
 
 import copy
+import heapq
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,6 +44,38 @@ class UnitRanges:
         busy = self.per_unit[members] * (units + 1) + self.fixed[members]
         traffic = self.ring[members] * (self.total_tokens - self.block * units)
         return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
+
+    def trimmed(self, units: np.ndarray, low: np.ndarray) -> np.ndarray:
+        """`units` less one unit at a time, each from the class that finishes last (the
+        first of equals; classes at `low` left alone), until they fit the sequence's length.
+        A heap of the classes' finish times replaces a scan of them per unit cut: the same
+        cuts, in the same order."""
+        total = float(units @ self.counts)
+        if total <= self.total_units:
+            return units
+        members = self._members()
+        finish = self.finish_all_s(units).tolist()
+        heap = [(-finish[c], c) for c in range(len(units)) if units[c] - 1 >= low[c]]
+        heapq.heapify(heap)
+        while total > self.total_units:
+            c = heapq.heappop(heap)[1]
+            units[c] -= 1
+            total -= self.counts[c]
+            if units[c] - 1 >= low[c]:
+                heapq.heappush(heap, (-self._member_finish_s(members[c], units[c]), c))
+        return units
+
+    def _members(self) -> list[list[tuple[float, float, float]]]:
+        """Per class, its members' (per unit, fixed, ring) seconds as Python floats."""
+        rows = list(zip(self.per_unit.tolist(), self.fixed.tolist(), self.ring.tolist()))
+        bounds = self._bounds().tolist()
+        return [rows[start:end] for start, end in zip(bounds, bounds[1:])]
+
+    def _member_finish_s(self, members: list[tuple[float, float, float]], units: float) -> float:
+        """`finish_s` of one class from its members' (per unit, fixed, ring) seconds, in
+        Python floats (the same operations: the same value)."""
+        left = self.total_tokens - self.block * units
+        return max(max(p * (units + 1) + f, r * left + f) for p, f, r in members)
 
     def finish_all_s(self, units: np.ndarray) -> np.ndarray:
         """Every class's `finish_s` at its `units`."""

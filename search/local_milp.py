@@ -801,7 +801,7 @@ class _Model:
         (slowest class first) to the sequence's length."""
         ceilings = np.floor(ceilings + 1e-9)
         ranges = UnitRanges(self, times, ceilings) if ranges is None else ranges.under(ceilings)
-        feasible, counts = ranges.covers, ranges.counts
+        feasible = ranges.covers
         start_s = max(bound_s, 1e-12)
         events = ranges.changes_after(start_s, EVENT_STEPS)  # where the ranges change
         fits = np.flatnonzero(feasible(np.concatenate([[start_s], events])))
@@ -822,12 +822,7 @@ class _Model:
             low_s = points[first - 1] if first else low_s
             high_s = points[first] if first < len(points) else high_s
         low, units = (row[0] for row in ranges.at(np.array([high_s])))
-        finish = ranges.finish_all_s(units)
-        while units @ counts > self.total_units:
-            slowest = int(np.argmax(np.where(units - 1 >= low, finish, -np.inf)))
-            units[slowest] -= 1
-            finish[slowest] = ranges.finish_s(slowest, units[slowest])
-        return units
+        return ranges.trimmed(units, low)
 
     def missing_bytes(self) -> dict[int, int]:
         """Bytes each rank lacks in the least-short split: slack on every memory row."""

@@ -292,6 +292,49 @@ def test_the_least_step_time_from_the_ranges_changes_matches_the_bisection(degre
     assert ours <= theirs * (1 + 1e-9)
 
 
+def scanned_trim(ranges, units: np.ndarray, low: np.ndarray) -> np.ndarray:
+    """The trim as a scan: each cut from the first class of the latest finish above `low`."""
+    finish = ranges.finish_all_s(units)
+    while units @ ranges.counts > ranges.total_units:
+        slowest = int(np.argmax(np.where(units - 1 >= low, finish, -np.inf)))
+        units[slowest] -= 1
+        finish[slowest] = ranges.finish_s(slowest, units[slowest])
+    return units
+
+
+@pytest.mark.parametrize("degrees", THREE_TYPE_DEGREES)
+def test_the_heap_trim_cuts_the_units_a_scan_cuts(degrees):
+    """`UnitRanges.trimmed` against a scan of every class per cut, from the units at step
+    times up to 3x the least (hundreds of cuts, ties between equal classes included)."""
+    from hexiseq.search._unit_ranges import UnitRanges
+
+    problem = problem_for(three_types(), "llama3-8b", 256 * 1024)
+    model, times, classes = model_and_times(problem, degrees, 64)
+    ranges = UnitRanges(model, times, np.full(len(classes), np.inf))
+    least_s = float(
+        model._finish_s(
+            times,
+            model._fastest_units(
+                times, np.full(len(classes), np.inf), model.relaxed_step_s(times)
+            ),
+        ).max()
+    )
+    cuts = 0
+    for step_s in least_s * np.linspace(1.0, 3.0, 9):
+        low, high = (row[0] for row in ranges.at(np.array([step_s])))
+        if not np.all(np.isfinite(high)) or high @ ranges.counts <= ranges.total_units:
+            continue
+        cuts += int((high @ ranges.counts - ranges.total_units) // ranges.counts.max())
+        held = low.copy()  # the first class may give up one unit only
+        held[0] = max(low[0], high[0] - 1)
+        for floor in (low, held):
+            if floor @ ranges.counts > ranges.total_units:
+                continue
+            theirs = scanned_trim(ranges, high.copy(), floor)
+            assert np.array_equal(ranges.trimmed(high.copy(), floor), theirs)
+    assert cuts > 50
+
+
 @pytest.mark.parametrize("slack", [None, 100])
 def test_memory_rows_come_as_blocks_equal_to_rows_added_one_by_one(slack):
     """`phase_rows` builds each member kind's rows at once: the same entries, in the same
