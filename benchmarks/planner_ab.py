@@ -13,7 +13,8 @@ baselines, `search.beside`), whose CPU time the parent's would leave out, and th
 time blocked waiting for it too.
 
 Run: `.venv/bin/python benchmarks/planner_ab.py --baseline REV [--rounds 3] [--repeats 5]
-[CELL ...]` with cells as GPUSxTYPES (default: every cell of planner_scaling up to 128 GPUs).
+[CELL ...]` with cells as GPUSxTYPES (default: every cell of planner_scaling up to 128 GPUs),
+or `randomN` for plan_quality.py's random cluster #N (seed 2024; its model and length).
 Prints the table and writes it into the "Planner A/B" section of RESULTS.md unless
 `--no-write`.
 """
@@ -82,19 +83,33 @@ def measure(tree: Path, cells: list[str], repeats: int) -> dict:
         raise SystemExit(f"hexiseq came from {hexiseq.__file__}, not from {tree}")
     found = {}
     for cell in cells:
-        gpus, types = (int(part) for part in cell.split("x"))
-        cluster = build_cluster(gpus, types)
-        seq_len, result = _fitting_search(hexiseq, cluster, MODEL, SEQ_LENS)
+        if cell.startswith(RANDOM):
+            case = _random_case(int(cell.removeprefix(RANDOM)))
+            cluster, model, seq_lens = case.cluster, case.model, (case.seq_len,)
+        else:
+            gpus, types = (int(part) for part in cell.split("x"))
+            cluster, model, seq_lens = build_cluster(gpus, types), MODEL, SEQ_LENS
+        seq_len, result = _fitting_search(hexiseq, cluster, model, seq_lens)
         seconds = []
         for _ in range(repeats):
             started = time.perf_counter()
-            hexiseq.plan_search(cluster, MODEL, seq_len)
+            hexiseq.plan_search(cluster, model, seq_len)
             seconds.append(time.perf_counter() - started)
         found[cell] = {
             "seconds": statistics.median(seconds),
             "tokens_per_s": result.best.predicted.tokens_per_s,
         }
     return found
+
+
+RANDOM = "random"  # a cell of plan_quality.py's random clusters: random0 ... random19
+
+
+def _random_case(index: int):
+    """plan_quality.py's random case #`index` (seed 2024)."""
+    from plan_quality import draw_cases
+
+    return draw_cases(20, 2024)[0][index]
 
 
 def _fitting_search(hexiseq, cluster, model: str, seq_lens: tuple[str, ...]):
@@ -156,8 +171,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("give --baseline REV, the revision to compare this tree against")
     for cell in args.cells:
         gpus, _, types = cell.partition("x")
+        index = cell.removeprefix(RANDOM)
+        if cell.startswith(RANDOM) and index.isdigit() and int(index) < 20:
+            continue
         if not (gpus.isdigit() and types.isdigit()):
-            parser.error(f"cell {cell!r}: give GPUSxTYPES, as 16x4 (planner_scaling's cells)")
+            parser.error(
+                f"cell {cell!r}: give GPUSxTYPES, as 16x4 (planner_scaling's cells), or "
+                "randomN, N from 0 to 19 (plan_quality.py's random clusters)"
+            )
     if args.rounds < 1 or args.repeats < 1:
         parser.error("--rounds and --repeats take 1 or more")
     return args

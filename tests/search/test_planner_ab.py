@@ -58,6 +58,9 @@ def test_bad_input_gets_one_line_naming_what_is_allowed(capsys):
     with pytest.raises(SystemExit) as cell:
         main(["--baseline", "HEAD", "16x"])
     assert cell.value.code == 2 and "GPUSxTYPES" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as random:
+        main(["--baseline", "HEAD", "random20"])
+    assert random.value.code == 2 and "randomN, N from 0 to 19" in capsys.readouterr().err
     with pytest.raises(SystemExit) as revision:
         main(["--baseline", "no-such-revision", "16x1"])
     assert "is not a revision of this repository" in str(revision.value.code)
