@@ -18,6 +18,7 @@ by default the search sends its baselines and half of its batches to its helper 
 of the cell as it runs by default (unwrapped, with its helper).
 
 Run: `.venv/bin/python benchmarks/planner_breakdown.py [--cells 16x4 ...] [--no-write]`
+(a cell `randomN`: plan_quality.py's random cluster #N of seed 2024, its model and length)
 (prints the table and updates the "Planner time breakdown" section of RESULTS.md).
 """
 
@@ -86,9 +87,8 @@ class Tally:
 def breakdown(cell: str) -> tuple[float, Tally, float]:
     """One warm search of `cell` ("GPUSxTYPES") under the wrappers, every stage in this
     process, and one as it runs by default: (total seconds, tally, default seconds)."""
-    gpus, types = (int(part) for part in cell.split("x"))
-    cluster = build_cluster(gpus, types)
-    plan_search(cluster, MODEL, SEQ_LEN)  # warm-up
+    cluster, model, seq_len = _searched(cell)
+    plan_search(cluster, model, seq_len)  # warm-up
     tally = Tally()
     originals = [(module, name, getattr(module, name)) for _, module, name in STAGES]
     for (label, module, name), (_, _, function) in zip(STAGES, originals):
@@ -97,7 +97,7 @@ def breakdown(cell: str) -> tuple[float, Tally, float]:
     os.environ[helper.HELPER_VARIABLE] = "off"  # every stage in this process
     try:
         started = time.perf_counter()
-        plan_search(cluster, MODEL, SEQ_LEN)
+        plan_search(cluster, model, seq_len)
         total_s = time.perf_counter() - started
     finally:
         for module, name, function in originals:
@@ -107,8 +107,20 @@ def breakdown(cell: str) -> tuple[float, Tally, float]:
         else:
             os.environ[helper.HELPER_VARIABLE] = setting
     started = time.perf_counter()
-    plan_search(cluster, MODEL, SEQ_LEN)
+    plan_search(cluster, model, seq_len)
     return total_s, tally, time.perf_counter() - started
+
+
+def _searched(cell: str):
+    """(cluster, model, length) of a cell: planner_scaling's GPUSxTYPES at SEQ_LEN, or
+    plan_quality.py's random case `randomN`."""
+    if cell.startswith("random"):
+        from plan_quality import draw_cases
+
+        case = draw_cases(20, 2024)[0][int(cell.removeprefix("random"))]
+        return case.cluster, case.model, case.seq_len
+    gpus, types = (int(part) for part in cell.split("x"))
+    return build_cluster(gpus, types), MODEL, SEQ_LEN
 
 
 def table(rows: list[tuple[str, float, Tally, float]]) -> str:
