@@ -299,40 +299,40 @@ def machine_line(before_s: float, after_s: float) -> str:
 def update_results(
     table: str, random_table: str, goals: list[str], repeats: int, command: str
 ) -> None:
-    """Replace this benchmark's section of RESULTS.md (between its markers), or append it."""
+    """Replace this benchmark's section of RESULTS.md (between its markers), or append it;
+    a run of the random clusters alone (`--random-only`) writes a section of its own."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    section = "\n".join(
-        [
-            "## Planner scaling",
-            "",
-            "Default `plan_search` (screened short list + local stage + polish below 512 "
-            f"devices + baselines), median of "
-            f"{repeats} runs after one warm-up per cluster ({os.cpu_count()} CPU cores, "
-            f"{platform.machine()}, Python {platform.python_version()}; {date}). Nodes of 8 "
-            "GPUs, or of 4 / 2 where 8 would leave a type out (marked n/node), types "
-            "round-robin by node "
-            f"from {', '.join(GPU_CYCLE)}; {INTER_NODE_GBPS:g} GB/s between nodes, node0-node1 "
-            f"{SLOW_PAIR_GBPS:g} GB/s. Llama-3-8B at 1M tokens (512K where marked), datasheet "
-            'cost model. "first run s" is the warm-up search (ring-order cache empty).',
-            "",
-            table,
-            "",
-            *(
-                [
-                    "The 20 random clusters of `plan_quality.py` (seed 2024), same timing:",
-                    "",
-                    random_table,
-                    "",
-                ]
-                if random_table
-                else []
-            ),
-            *goals,
-            "",
-            f"Produced by `{command}`.",
-        ]
+    timing = (
+        f"median of {repeats} runs after one warm-up per cluster ({os.cpu_count()} CPU "
+        f"cores, {platform.machine()}, Python {platform.python_version()}; {date})"
     )
-    replace_section("planner_scaling", section)
+    random_part = [RANDOM_TITLE, "", random_table, ""] if random_table else []
+    if table:
+        name, lines = "planner_scaling", ["## Planner scaling", "", GRID_INTRO % timing, ""]
+        lines += [table, "", *random_part]
+    else:
+        name = "planner_scaling_random"
+        lines = [
+            "## Planner scaling: plan_quality's random clusters",
+            "",
+            f"Default `plan_search`, {timing}.",
+            "",
+            random_table,
+            "",
+        ]
+    section = "\n".join([*lines, *goals, "", f"Produced by `{command}`."])
+    replace_section(name, section)
+
+
+GRID_INTRO = (
+    "Default `plan_search` (screened short list + local stage + polish below 512 devices + "
+    "baselines), %s. Nodes of 8 GPUs, or of 4 / 2 where 8 would leave a type out (marked "
+    f"n/node), types round-robin by node from {', '.join(GPU_CYCLE)}; {INTER_NODE_GBPS:g} "
+    f"GB/s between nodes, node0-node1 {SLOW_PAIR_GBPS:g} GB/s. Llama-3-8B at 1M tokens "
+    '(512K where marked), datasheet cost model. "first run s" is the warm-up search '
+    "(ring-order cache empty)."
+)
+RANDOM_TITLE = "The 20 random clusters of `plan_quality.py` (seed 2024), same timing:"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
