@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 import pytest
-from test_local_milp import big_and_small, model_and_times, problem_for, three_types
+from test_local_milp import big_and_small, model_and_times, problem_for, random_16, three_types
 
 from hexiseq import Cluster
 from hexiseq.search._relaxation import _busy_root, _Ranges, busy_bound_s, unconstrained_optimum
@@ -69,25 +69,12 @@ def test_the_busy_bound_never_exceeds_the_lp(seq_len):
             assert bound <= lp * (1 + 1e-12)
 
 
-def slow_ring() -> Cluster:
-    """plan_quality #16's nodes at 12.5 GB/s: the ring, not busy work, sets most optima."""
-    nodes = [("n0", "A100-80G", 1), ("n1", "A100-80G", 5), ("n2", "A100-40G", 2)]
-    nodes.append(("n3", "RTX-4090", 4))
-    return Cluster.from_dict(
-        {
-            "name": "slow-ring",
-            "nodes": [{"name": n, "gpu": g, "count": c} for n, g, c in nodes],
-            "network": {"inter_node_GBps": 12.5},
-        }
-    )
-
-
 @pytest.mark.parametrize("quantum", [128, 256, 512])
 def test_the_ring_bound_least_step_is_the_bisections(quantum):
     """Where the ring's rows bind, the least step time comes from the pairs' crossings and
     Newton steps on the classes' least units: the bisection's answer (1e-12 wide), and a
-    point that fits, on every HP mix of the slow-ring cluster."""
-    problem = problem_for(slow_ring(), "tiny-7h", 64 * 1024, checkpointing=False)
+    point that fits, on every HP mix of plan_quality's cluster #16 (12.5 GB/s links)."""
+    problem = problem_for(random_16(), "tiny-7h", 64 * 1024, checkpointing=False)
     ring_bound = 0
     for a80, a40, rtx in itertools.product((1, 5), (1, 2), (1, 2, 4)):
         degrees = {"A100-80G": a80, "A100-40G": a40, "RTX-4090": rtx}
