@@ -37,14 +37,6 @@ class UnitRanges:
         other.ceilings = ceilings
         return other
 
-    def finish_s(self, c: int, units: float) -> float:
-        """Class `c`'s slowest member's seconds at `units` (`_Model._finish_s` of one class)."""
-        end = self.starts[c + 1] if c + 1 < len(self.starts) else len(self.per_unit)
-        members = slice(self.starts[c], end)
-        busy = self.per_unit[members] * (units + 1) + self.fixed[members]
-        traffic = self.ring[members] * (self.total_tokens - self.block * units)
-        return float(np.max(np.maximum(busy, traffic + self.fixed[members])))
-
     def trimmed(self, units: np.ndarray, low: np.ndarray) -> np.ndarray:
         """`units` less one unit at a time, each from the class that finishes last (the
         first of equals; classes at `low` left alone), until they fit the sequence's length.
@@ -72,8 +64,8 @@ class UnitRanges:
         return [rows[start:end] for start, end in zip(bounds, bounds[1:])]
 
     def _member_finish_s(self, members: list[tuple[float, float, float]], units: float) -> float:
-        """`finish_s` of one class from its members' (per unit, fixed, ring) seconds, in
-        Python floats (the same operations: the same value)."""
+        """One class's slowest member's seconds at `units` from its members' (per unit,
+        fixed, ring) seconds: `finish_all_s`'s operations in Python floats (the same value)."""
         left = self.total_tokens - self.block * units
         return max(max(p * (units + 1) + f, r * left + f) for p, f, r in members)
 

@@ -298,7 +298,7 @@ def scanned_trim(ranges, units: np.ndarray, low: np.ndarray) -> np.ndarray:
     while units @ ranges.counts > ranges.total_units:
         slowest = int(np.argmax(np.where(units - 1 >= low, finish, -np.inf)))
         units[slowest] -= 1
-        finish[slowest] = ranges.finish_s(slowest, units[slowest])
+        finish[slowest] = ranges.finish_all_s(units)[slowest]
     return units
 
 
