@@ -20,8 +20,8 @@ warm-up fills the per-cluster ring-order cache; its time is shown as "first run 
 
 Run: `.venv/bin/python benchmarks/planner_scaling.py [--quick] [--sizes N ...] [--types K ...]
 [--no-random | --random-only] [--no-write]` (prints the tables and the goal checks, and
-updates the "Planner scaling" section of benchmarks/RESULTS.md unless `--no-write`;
-`--quick` leaves the random clusters out).
+updates the "Planner scaling" section of benchmarks/RESULTS.md unless `--no-write`, and the
+random clusters' own section where they were timed; `--quick` leaves them out).
 """
 
 from __future__ import annotations
@@ -297,31 +297,29 @@ def machine_line(before_s: float, after_s: float) -> str:
 
 
 def update_results(
-    table: str, random_table: str, goals: list[str], repeats: int, command: str
+    table: str,
+    random_table: str,
+    goals: list[str],
+    random_goals: list[str],
+    repeats: int,
+    command: str,
 ) -> None:
-    """Replace this benchmark's section of RESULTS.md (between its markers), or append it;
-    a run of the random clusters alone (`--random-only`) writes a section of its own."""
+    """Replace this benchmark's sections of RESULTS.md (between their markers), or append
+    them: the grid's (`planner_scaling`) where the grid was timed, the random clusters'
+    (`planner_scaling_random`) where they were, each with its own goal lines; a run that
+    leaves one out leaves its section as it was."""
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     timing = (
         f"median of {repeats} runs after one warm-up per cluster ({os.cpu_count()} CPU "
         f"cores, {platform.machine()}, Python {platform.python_version()}; {date})"
     )
-    random_part = [RANDOM_TITLE, "", random_table, ""] if random_table else []
+    produced = ["", f"Produced by `{command}`."]
     if table:
-        name, lines = "planner_scaling", ["## Planner scaling", "", GRID_INTRO % timing, ""]
-        lines += [table, "", *random_part]
-    else:
-        name = "planner_scaling_random"
-        lines = [
-            "## Planner scaling: plan_quality's random clusters",
-            "",
-            f"Default `plan_search`, {timing}.",
-            "",
-            random_table,
-            "",
-        ]
-    section = "\n".join([*lines, *goals, "", f"Produced by `{command}`."])
-    replace_section(name, section)
+        lines = ["## Planner scaling", "", GRID_INTRO % timing, "", table, "", *goals]
+        replace_section("planner_scaling", "\n".join([*lines, *produced]))
+    if random_table:
+        lines = [RANDOM_TITLE, "", f"Default `plan_search`, {timing}.", "", random_table, ""]
+        replace_section("planner_scaling_random", "\n".join([*lines, *random_goals, *produced]))
 
 
 GRID_INTRO = (
@@ -332,7 +330,7 @@ GRID_INTRO = (
     '(512K where marked), datasheet cost model. "first run s" is the warm-up search '
     "(ring-order cache empty)."
 )
-RANDOM_TITLE = "The 20 random clusters of `plan_quality.py` (seed 2024), same timing:"
+RANDOM_TITLE = "## Planner scaling: plan_quality's random clusters"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -382,14 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     random_results = measure_random(repeats) if with_random else []
     table = format_table(cells) if cells else ""
     random_table = format_random_table(random_results) if random_results else ""
-    goals = check_goals(cells)
-    if random_results:
-        goals.append(check_random_goal(random_results))
-    goals.append(machine_line(before_s, calibration_s()))
-    print(table, random_table, *goals, sep="\n")
+    machine = machine_line(before_s, calibration_s())
+    goals = [*check_goals(cells), machine] if cells else []
+    random_goals = [check_random_goal(random_results), machine] if random_results else []
+    print(table, random_table, *dict.fromkeys([*goals, *random_goals]), sep="\n")
     if not args.no_write:
         command = shlex.join([".venv/bin/python", "benchmarks/planner_scaling.py", *argv])
-        update_results(table, random_table, goals, repeats, command)
+        update_results(table, random_table, goals, random_goals, repeats, command)
     return 0
 
 
