@@ -424,3 +424,42 @@ def test_polish_evaluates_the_regroupings_whose_first_simulation_is_fastest(monk
     monkeypatch.setattr(polish_module, "POLISH_RERANKED", 2)
     picked = polish_module._first_simulated_best(None, found, current_s=2.0)
     assert [c.hp_degrees["H100-SXM"] for c in picked] == [2, 5]
+
+
+def test_polish_leaves_out_the_starts_far_behind_the_fastest_plan_reached(monkeypatch):
+    """A later start is polished only within POLISH_START_GAP of the fastest plan so far,
+    the moves of the starts before it included."""
+    from hexiseq.search import polish as polish_module
+
+    moves = {"a": ["a faster"], "a faster": [], "b": [], "c": []}  # what a move reaches
+    speed = {"a": 100.0, "a faster": 110.0, "b": 91.0, "c": 95.0}
+
+    def worth_evaluating(problem, current, plan, found, is_scored, simulations=None):
+        return moves[current], None, lambda plan_of: []
+
+    monkeypatch.setattr(polish_module, "neighbours", lambda *args: [])
+    monkeypatch.setattr(polish_module, "_worth_evaluating", worth_evaluating)
+    monkeypatch.setattr(polish_module, "_regrouped_per_move", lambda problem: 0)
+    monkeypatch.setattr(polish_module, "throughput", lambda plan: speed[plan])
+    monkeypatch.setattr(polish_module, "POLISH_START_GAP", 0.08)
+
+    def polished(starts: list[str]) -> list[str]:
+        currents = []
+
+        def plan_of(choices):
+            currents.append(choices)
+            return choices
+
+        def plans_of(batch, more=None, more_at_most=0):
+            return list(batch), list(batch)
+
+        scored = [(c, speed[c]) for c in starts]
+        polish_module.polish(None, scored, plan_of, plans_of, lambda c: False, [], 40, None)
+        return currents
+
+    moves["a"] = []
+    assert polished(["a", "c", "b"]) == ["a", "c"]  # b: 9 % behind a
+    moves["a"] = ["a faster"]
+    assert polished(["a", "c", "b"]) == ["a", "a faster"]  # c: 13.6 % behind a's move
+    monkeypatch.setattr(polish_module, "POLISH_START_GAP", 1.0)
+    assert polished(["a", "c", "b"]) == ["a", "a faster", "c", "b"]
