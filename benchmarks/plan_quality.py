@@ -689,23 +689,22 @@ def held_out_cases(
 ) -> list[HeldOutResult]:
     """Each case's optimum (kept, or found and kept) and the searches' plans."""
     work = [(case, kept.get(f"{seed}:{case.index}", case), optuna) for case in cases]
-    found = []
     if processes <= 1:
-        done = map(held_out_case, work)
-    else:
-        pool = multiprocessing.get_context("fork").Pool(processes)
-        largest_first = sorted(work, key=lambda item: -candidate_count(item[0]))
+        return _kept_as_found(seed, kept, map(held_out_case, work))
+    largest_first = sorted(work, key=lambda item: -candidate_count(item[0]))
+    with multiprocessing.get_context("fork").Pool(processes) as pool:
         done = pool.imap_unordered(held_out_case, largest_first, chunksize=1)
-    try:
-        for result, fresh in done:
-            if fresh:
-                key = f"{seed}:{result.case.index}"
-                kept.put(key, result.case, result.exhaustive_tokens_per_s, result.winner)
-            found.append(result)
-    finally:
-        if processes > 1:
-            pool.close()
-            pool.join()
+        return _kept_as_found(seed, kept, done)
+
+
+def _kept_as_found(seed: int, kept: KeptOptima, done) -> list[HeldOutResult]:
+    """The results as they come, each new optimum kept at once; in case order."""
+    found = []
+    for result, fresh in done:
+        if fresh:
+            key = f"{seed}:{result.case.index}"
+            kept.put(key, result.case, result.exhaustive_tokens_per_s, result.winner)
+        found.append(result)
     return sorted(found, key=lambda result: result.case.index)
 
 
