@@ -648,21 +648,28 @@ class KeptOptima:
             except (OSError, ValueError):
                 kept = {}
             if isinstance(kept, dict) and kept.get("fingerprint") == fingerprint:
-                optima = kept.get("optima", {})
+                found = kept.get("optima")
+                optima = found if isinstance(found, dict) else {}
         return cls(path, fingerprint, optima)
 
     def get(self, key: str, case: Case) -> dict | None:
+        """The kept optimum of `key`, where it was found for this very case (else None)."""
         found = self.optima.get(key)
-        return found if found and found.get("case") == describe_case(case) else None
+        if not isinstance(found, dict) or found.get("case") != describe_case(case):
+            return None
+        return found if isinstance(found.get("tokens_per_s"), (int, float)) else None
 
     def put(self, key: str, case: Case, tokens_per_s: float, winner: str) -> None:
         entry = {"case": describe_case(case), "tokens_per_s": tokens_per_s, "winner": winner}
         self.optima[key] = entry
         text = json.dumps({"fingerprint": self.fingerprint, "optima": self.optima}, indent=1)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         fresh = self.path.with_suffix(".json.tmp")
-        fresh.write_text(text + "\n")
-        os.replace(fresh, self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fresh.write_text(text + "\n")
+            os.replace(fresh, self.path)
+        except OSError as error:  # the run goes on; only the keeping is lost
+            print(f"cannot keep the optima in {self.path}: {error}", file=sys.stderr)
 
 
 def describe_case(case: Case) -> str:

@@ -71,3 +71,17 @@ def test_the_grid_and_the_random_clusters_each_keep_their_own_section(tmp_path, 
     text = results.read_text()
     assert text.count("planner_scaling_random:start") == 1
     assert "| random 2 |" in text and "| random 1 |" not in text and "| grid 2 |" in text
+
+
+def test_a_malformed_or_unwritable_optima_file_costs_no_run(tmp_path, capsys):
+    fingerprint = plan_quality.scoring_fingerprint()
+    path = tmp_path / "optima.json"
+    for optima in ([1, 2], {"7:0": "not an entry"}, {"7:0": {"case": "x", "tokens_per_s": "?"}}):
+        path.write_text(json.dumps({"fingerprint": fingerprint, "optima": optima}))
+        assert KeptOptima.load(path).get("7:0", CASE) is None
+    blocked = tmp_path / "a file" / "optima.json"  # its folder cannot be made
+    (tmp_path / "a file").write_text("")
+    kept = KeptOptima.load(blocked)
+    kept.put("7:0", CASE, 1.0, "w")
+    assert kept.get("7:0", CASE)["tokens_per_s"] == 1.0  # kept for this run
+    assert "cannot keep the optima" in capsys.readouterr().err
