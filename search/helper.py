@@ -17,8 +17,9 @@ next candidate beside each, as without them.
 
 Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
 search forks one helper process, and the process keeps it for its later searches. A search
-holds it from start to end (`helping`): it sends the baselines first, and later the second
-half of each batch while this process evaluates the first; both run at once on two CPUs.
+holds it from start to end (`helping`): it sends the baselines first, and later each batch's
+plans one by one, the helper building from the back while this process builds from the front
+(`evaluate_batch`); both run at once on two CPUs.
 
 Forked once, not once a search or a batch: after a fork every memory page either process
 touches (even to count a reference) is copied. Forking a child per batch made 16-32 GPU
@@ -174,42 +175,64 @@ def evaluate_batch(
     more_at_most: int = 0,
     worth: Callable[[int], bool] = lambda count: True,
 ) -> tuple[list[GlobalChoices], list[Scored]]:
-    """`batch + more()` and `[evaluate(c) for c in batch + more()]`, the later half built
-    by the helper where the search has one with nothing else to do (module doc) and `worth`
-    says that many plans are worth sending. Where `batch` alone is worth it, its later part
-    (up to half of all there will be: `more()` gives at most `more_at_most`) goes before
-    `more()` is called, so the helper builds while this process finds the rest (those plans
-    must not depend on what `more()` does: their busy rates known, `screen._fill_from`);
-    the rest of the helper's half goes once `more()` is known. `evaluate` (which may
-    remember what it builds) is called here on the others, in order; the helper's plans
-    are returned without `evaluate` seeing them."""
+    """`batch + more()` and `[evaluate(c) for c in batch + more()]`, shared with the helper
+    where the search has one with nothing else to do (module doc) and `worth` says half of
+    them are worth sending (`more()` gives at most `more_at_most`). Each plan goes to the
+    helper on its own, the last first: `batch`'s before `more()` is called, so the helper
+    builds while this process finds the rest (those plans must not depend on what `more()`
+    does: their busy rates known, `screen._fill_from`), and those of `more()` once known
+    (without `more`, this process starts on the first at once: it is not sent). This
+    process then goes from the front: it builds, with `evaluate` (which may remember what
+    it builds), each plan the helper has not started, withdrawing it there, and waits for
+    the rest; the helper's plans are returned without `evaluate` seeing them. Neither
+    waits while the other has a plan left to start, however long the plans and `more()`
+    take (split in halves, the last of 32-GPU batches often waited for the other)."""
     helper = _helper_of(problem)
-    first = min(len(batch), (len(batch) + more_at_most) // 2)
-    parts: list[list[int]] = []  # positions in `batch + more()` the helper builds
-    tickets: list[int | None] = []
-    if first and helper is not None and helper.idle() and worth(len(batch) // 2):
-        parts.append(list(range(len(batch) - first, len(batch))))
-        tickets.append(helper.call(problem, _evaluated, ([batch[i] for i in parts[0]],)))
+    everything = list(batch)
+    tickets: dict[int, int] = {}  # position in `everything` -> the helper's ticket
+    first_half = max(1, (len(batch) + more_at_most) // 2)
+    if batch and helper is not None and helper.idle() and worth(first_half):
+        _offer(problem, helper, everything, range(0 if more else 1, len(batch)), tickets)
+    if more is not None:
+        everything += more()
+    sharing = helper is not None and (
+        bool(tickets) or (helper.idle() and worth(max(1, len(everything) // 2)))
+    )
+    if sharing and len(everything) > len(batch):
+        _offer(problem, helper, everything, range(len(batch), len(everything)), tickets)
     started_s = time.perf_counter()
-    everything = [*batch, *(more() if more is not None else [])]
-    sent = {i for part in parts for i in part}
-    rest = [i for i in range(len(everything)) if i not in sent]
-    later = len(everything) // 2 - len(sent)
-    ready = helper is not None and (bool(tickets) or helper.idle())
-    if later > 0 and ready and worth(len(everything) // 2):
-        parts.append(rest[len(rest) - later :])
-        tickets.append(helper.call(problem, _evaluated, ([everything[i] for i in parts[-1]],)))
-    theirs = {i for part in parts for i in part}
-    plans: dict[int, Scored] = {i: evaluate(everything[i]) for i in rest if i not in theirs}
+    plans: dict[int, Scored] = {}
+    for i, choices in enumerate(everything):
+        if i in tickets and helper.taken(tickets[i]):
+            continue
+        if i in tickets:
+            helper.withdraw(tickets.pop(i))
+        plans[i] = evaluate(choices)
     wait_s = max(BATCH_MIN_WAIT_S, BATCH_WAIT_FACTOR * (time.perf_counter() - started_s))
     answered = True
-    for part, ticket in zip(parts, tickets):
-        # a helper that failed is stopped: what it had is built here, and it is not asked again
+    for i, ticket in tickets.items():
+        # a helper that failed is stopped: the rest is built here, and it is not asked again
         answer = result(problem, ticket, wait_s) if answered else None
         answered = answer is not None
-        found = answer[0] if answered else [evaluate(everything[i]) for i in part]
-        plans.update(zip(part, found))
+        plans[i] = answer[0] if answered else evaluate(everything[i])
     return everything, [plans[i] for i in range(len(everything))]
+
+
+def _offer(
+    problem: Problem,
+    helper: _Helper,
+    everything: list[GlobalChoices],
+    positions: range,
+    tickets: dict[int, int],
+) -> None:
+    """Send the plans of `everything` at `positions` to `helper`, one each, the last first
+    (this process's busy rates with the first), into `tickets` by position."""
+    rates = True
+    for i in reversed(positions):
+        ticket = helper.call(problem, _built, (everything[i],), rates)
+        if ticket is None:
+            return
+        tickets[i], rates = ticket, False
 
 
 def safe_to_fork() -> bool:
@@ -293,6 +316,11 @@ class _Helper:
             self.connection.send(("withdraw", ticket))
         self.waiting.discard(ticket)
         self.withdrawn.add(ticket)
+
+    def taken(self, ticket: int) -> bool:
+        """Whether the helper has answered `ticket` or is at it (it works in order)."""
+        self._read(wait_s=0.0)
+        return ticket not in self.waiting or ticket == min(self.waiting)
 
     def idle(self) -> bool:
         """Whether every answer asked for is in (read without waiting)."""
@@ -385,9 +413,9 @@ def _search_id(problem: Problem) -> int:
     return problem.memo("helper search id", lambda: next(_SEARCH_IDS))
 
 
-def _evaluated(problem: Problem, batch: list[GlobalChoices]) -> list[Scored]:
-    """In the helper: the plans of `batch`."""
-    return [plan_for_choices(problem, choices) for choices in batch]
+def _built(problem: Problem, choices: GlobalChoices) -> Scored:
+    """In the helper: the plan of `choices`."""
+    return plan_for_choices(problem, choices)
 
 
 def planned(problem: Problem, choices: GlobalChoices) -> tuple[Scored, float]:

@@ -186,9 +186,9 @@ class Objective:
         more_at_most: int = 0,
     ) -> tuple[list[GlobalChoices], list[Plan | InfeasiblePlan]]:
         """`batch + more()` (`more()` gives at most `more_at_most`) and the `plan` of each.
-        Those not built yet are built together, the later half in the helper process (with
-        `beside`, where worth sending), `batch`'s part of it started before `more()` is
-        called (`helper.evaluate_batch`)."""
+        Those not built yet are built together, shared with the helper process (with
+        `beside`, where worth sending), `batch`'s sent before `more()` is called
+        (`helper.evaluate_batch`)."""
         fresh = list({c.key(): c for c in batch if c.key() not in self.cache}.values())
         if self.beside:
             found, plans = evaluate_batch(

@@ -191,28 +191,79 @@ def batch_rows(plans) -> list:
     ]
 
 
+def helper_done(deadline_s: float = 30.0) -> None:
+    """Wait until the helper has answered all it was sent, withdrawn or not (at most
+    `deadline_s`)."""
+    deadline = time.perf_counter() + deadline_s
+    while time.perf_counter() < deadline:
+        if helper._HELPER.idle() and not helper._HELPER.withdrawn:
+            return
+        time.sleep(0.01)
+
+
 def test_a_batch_gets_the_plans_this_process_would_build():
+    """This process starts on the first plan at once; the helper, sent the others, builds
+    those it gets to first (here: all of them, while the first waits for it), and they are
+    the plans this process builds."""
     alone = problem_on("h100x8-a100x8")
     here = [plan_for_choices(alone, choices) for choices in BATCH]
     problem, built_here = problem_on("h100x8-a100x8"), []
 
     def evaluate(choices):
+        if not built_here:
+            helper_done()
         built_here.append(choices)
         return plan_for_choices(problem, choices)
 
     with helper.helping(problem, True):
         found, plans = helper.evaluate_batch(problem, BATCH, evaluate)
     assert found == BATCH
-    assert built_here == BATCH[:3]  # the later half was the helper's
+    assert built_here == BATCH[:1]
     assert batch_rows(plans) == batch_rows(here)
     assert [isinstance(p, Plan) for p in plans] == [True, True, True, False, True]
     assert all(p.cluster is problem.cluster for p in plans if isinstance(p, Plan))
 
 
-def test_the_helpers_part_of_a_batch_is_sent_before_the_rest_is_found_here(monkeypatch):
-    """`evaluate_batch` with `more`: the helper gets the later part of the batch (half of all
-    there will be) before `more()` runs here; this process builds the rest and what `more()`
-    found, and the plans are those one process builds."""
+RELEASE = {}  # the file whose existence lets `held_built` go on (set before the fork)
+
+
+def held_built(problem: Problem, choices: GlobalChoices):
+    """In the helper: `_built`, once RELEASE's file exists (at most 30 s on)."""
+    deadline = time.perf_counter() + 30
+    while not RELEASE["path"].exists() and time.perf_counter() < deadline:
+        time.sleep(0.01)
+    return REAL_BUILT(problem, choices)
+
+
+def test_plans_the_helper_has_not_started_are_built_here(monkeypatch, tmp_path):
+    """The two share a batch: the helper starts from the back (here on a plan it holds
+    until this process has built the rest), this process from the front, and builds every
+    plan the helper has not started, withdrawing it there; the one under way is waited for."""
+    monkeypatch.setitem(RELEASE, "path", tmp_path / "release")
+    monkeypatch.setattr(helper, "_built", held_built)  # the helper is forked with it
+    alone = problem_on("h100x8-a100x8")
+    here = [plan_for_choices(alone, choices) for choices in BATCH]
+    problem, built_here = problem_on("h100x8-a100x8"), []
+
+    def evaluate(choices):
+        built_here.append(choices)
+        if len(built_here) == 4:
+            RELEASE["path"].touch()
+        return plan_for_choices(problem, choices)
+
+    with helper.helping(problem, True):
+        found, plans = helper.evaluate_batch(problem, BATCH, evaluate)
+        assert built_here == BATCH[:4]  # the last was under way in the helper
+        assert batch_rows(plans) == batch_rows(here)
+        assert not helper._HELPER.waiting and not helper._HELPER.answers
+        helper_done()
+        assert not helper._HELPER.withdrawn  # the skipped ones answered (empty), forgotten
+
+
+def test_the_batch_is_sent_before_the_rest_is_found_here(monkeypatch):
+    """`evaluate_batch` with `more`: the whole batch goes to the helper, last first, before
+    `more()` runs here (this process is busy with it), and what `more()` found after it;
+    the plans are those one process builds, each built once."""
     alone = problem_on("h100x8-a100x8")
     here = [plan_for_choices(alone, choices) for choices in BATCH]
     problem, built_here, events = problem_on("h100x8-a100x8"), [], []
@@ -233,16 +284,10 @@ def test_the_helpers_part_of_a_batch_is_sent_before_the_rest_is_found_here(monke
     monkeypatch.setattr(helper._Helper, "call", recording)
     with helper.helping(problem, True):
         found, plans = helper.evaluate_batch(problem, BATCH[:3], evaluate, more, 2)
-        assert found == BATCH
-        assert events == [("sent", BATCH[1:3]), ("found", BATCH[3:])]
-        assert built_here == [BATCH[0], *BATCH[3:]]
-        assert batch_rows(plans) == batch_rows(here)
-        # more found than expected: the helper gets the later part of it too
-        events.clear(), built_here.clear()
-        found, plans = helper.evaluate_batch(problem, BATCH[:2], evaluate, lambda: BATCH[2:], 1)
     assert found == BATCH
-    assert events == [("sent", BATCH[1:2]), ("sent", BATCH[4:])]
-    assert built_here == [BATCH[0], *BATCH[2:4]]
+    sent = [("sent", BATCH[i]) for i in (2, 1, 0)]
+    assert events == [*sent, ("found", BATCH[3:]), ("sent", BATCH[4]), ("sent", BATCH[3])]
+    assert len(set(map(GlobalChoices.key, built_here))) == len(built_here)
     assert batch_rows(plans) == batch_rows(here)
 
 
@@ -365,9 +410,9 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
     sent = []
     call = helper._Helper.call
 
-    def recording(self, problem, work, args):
+    def recording(self, problem, work, args, with_rates=True):
         sent.append(args[0] if args else None)
-        return call(self, problem, work, args)
+        return call(self, problem, work, args, with_rates)
 
     def hopeless(problem, choices, best_step_s):
         return choices.key() == doomed.key() and best_step_s < float("inf")
@@ -382,7 +427,7 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
     study = optuna.create_study(direction="maximize")
     with helper.helping(problem, True):
         added = optuna_layer._score_shortlist(study, objective, None)
-    assert sent == [[doomed]]  # built ahead in the helper, alone
+    assert sent == [doomed]  # built ahead in the helper, alone
     assert added == 2 and set(objective.cache) == {first.key(), last.key()}
     scored = [optuna_layer.choices_from_params(problem, t.params) for t in study.trials]
     assert [c.key() for c in scored] == [first.key(), last.key()]
@@ -467,6 +512,7 @@ def sleeps_in_helper(problem: Problem, seconds: float) -> int:
 
 
 REAL_PLANNED = helper.planned
+REAL_BUILT = helper._built
 
 
 def slow_planned(problem: Problem, choices: GlobalChoices):
