@@ -172,12 +172,11 @@ def evaluate_batch(
     batch: Sequence[GlobalChoices],
     evaluate: Callable[[GlobalChoices], Scored],
     more: Callable[[], list[GlobalChoices]] | None = None,
-    more_at_most: int = 0,
     worth: Callable[[int], bool] = lambda count: True,
 ) -> tuple[list[GlobalChoices], list[Scored]]:
     """`batch + more()` and `[evaluate(c) for c in batch + more()]`, shared with the helper
     where the search has one with nothing else to do (module doc) and `worth` says half of
-    them are worth sending (`more()` gives at most `more_at_most`). Each plan goes to the
+    them are worth sending (half of `batch`, before `more()`). Each plan goes to the
     helper on its own, the last first: `batch`'s before `more()` is called, so the helper
     builds while this process finds the rest (those plans must not depend on what `more()`
     does: their busy rates known, `screen._fill_from`), and those of `more()` once known
@@ -186,20 +185,20 @@ def evaluate_batch(
     it builds), each plan the helper has not started, withdrawing it there, and waits for
     the rest; the helper's plans are returned without `evaluate` seeing them. Neither
     waits while the other has a plan left to start, however long the plans and `more()`
-    take (split in halves, the last of 32-GPU batches often waited for the other)."""
+    take."""
     helper = _helper_of(problem)
     everything = list(batch)
     tickets: dict[int, int] = {}  # position in `everything` -> the helper's ticket
-    first_half = max(1, (len(batch) + more_at_most) // 2)
-    if batch and helper is not None and helper.idle() and worth(first_half):
+    if helper is not None and helper.idle() and worth(len(batch) // 2):
         _offer(problem, helper, everything, range(0 if more else 1, len(batch)), tickets)
     if more is not None:
         everything += more()
     sharing = helper is not None and (
-        bool(tickets) or (helper.idle() and worth(max(1, len(everything) // 2)))
+        bool(tickets) or (helper.idle() and worth(len(everything) // 2))
     )
-    if sharing and len(everything) > len(batch):
-        _offer(problem, helper, everything, range(len(batch), len(everything)), tickets)
+    if sharing:  # with none sent yet, this process starts on the first at once
+        unsent = range(len(batch) if tickets else 1, len(everything))
+        _offer(problem, helper, everything, unsent, tickets)
     started_s = time.perf_counter()
     plans: dict[int, Scored] = {}
     for i, choices in enumerate(everything):

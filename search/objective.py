@@ -183,16 +183,15 @@ class Objective:
         self,
         batch: list[GlobalChoices],
         more: Callable[[], list[GlobalChoices]] | None = None,
-        more_at_most: int = 0,
     ) -> tuple[list[GlobalChoices], list[Plan | InfeasiblePlan]]:
-        """`batch + more()` (`more()` gives at most `more_at_most`) and the `plan` of each.
+        """`batch + more()` and the `plan` of each.
         Those not built yet are built together, shared with the helper process (with
         `beside`, where worth sending), `batch`'s sent before `more()` is called
         (`helper.evaluate_batch`)."""
         fresh = list({c.key(): c for c in batch if c.key() not in self.cache}.values())
         if self.beside:
             found, plans = evaluate_batch(
-                self.problem, fresh, self.plan, more, more_at_most, self._worth_sending
+                self.problem, fresh, self.plan, more, self._worth_sending
             )
             for choices, plan in zip(found, plans):
                 self.cache.setdefault(choices.key(), plan)

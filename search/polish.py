@@ -123,10 +123,10 @@ def polish(
 ) -> list[Scored]:
     """Local search from `starts` ((choices, tokens/s), best first; those more than
     POLISH_START_GAP behind the fastest plan reached are not polished); returns what it
-    scored. `plan_of` builds (and remembers) a candidate's plan, `plans_of(batch, more,
-    more_at_most)` those of `batch + more()` (the same plans, built together, `batch`'s
-    started before `more` finds the rest: `Objective.plans`), `is_scored` says whether it
-    already has one; `deadline` is a perf_counter time or None."""
+    scored. `plan_of` builds (and remembers) a candidate's plan, `plans_of(batch, more)`
+    those of `batch + more()` (the same plans, built together, `batch`'s started before
+    `more` finds the rest: `Objective.plans`), `is_scored` says whether it already has one;
+    `deadline` is a perf_counter time or None."""
     scored: list[Scored] = []
     left = float(evaluations)  # a re-ranking simulation costs FIRST_SIMULATION_COST of one
     fastest = starts[0][1] if starts else 0.0  # tokens/s: the starts come fastest first
@@ -143,7 +143,7 @@ def polish(
             batch = rings[: int(left)]
             room = min(_regrouped_per_move(problem), int(left) - len(batch))
             # the screen is asked only where there is room, while the rings are built
-            batch, plans = plans_of(batch, partial(faster, room) if room > 0 else None, room)
+            batch, plans = plans_of(batch, partial(faster, room) if room > 0 else None)
             left -= len(batch) + FIRST_SIMULATION_COST * simulations[0]
             second, second_plans = plans_of(later(plan_of)[: max(0, int(left))])
             left -= len(second)

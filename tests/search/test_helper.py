@@ -283,7 +283,7 @@ def test_the_batch_is_sent_before_the_rest_is_found_here(monkeypatch):
 
     monkeypatch.setattr(helper._Helper, "call", recording)
     with helper.helping(problem, True):
-        found, plans = helper.evaluate_batch(problem, BATCH[:3], evaluate, more, 2)
+        found, plans = helper.evaluate_batch(problem, BATCH[:3], evaluate, more)
     assert found == BATCH
     sent = [("sent", BATCH[i]) for i in (2, 1, 0)]
     assert events == [*sent, ("found", BATCH[3:]), ("sent", BATCH[4]), ("sent", BATCH[3])]

@@ -290,7 +290,7 @@ def test_polish_asks_the_screen_only_where_the_rings_leave_evaluations(monkeypat
     def plan_of(choices: GlobalChoices):
         return plans.setdefault(choices.key(), plan_for_choices(problem, choices))
 
-    def plans_of(batch, more=None, more_at_most=0):
+    def plans_of(batch, more=None):
         batch = [*batch, *(more() if more is not None else [])]
         return batch, [plan_of(c) for c in batch]
 
@@ -450,7 +450,7 @@ def test_polish_leaves_out_the_starts_far_behind_the_fastest_plan_reached(monkey
             currents.append(choices)
             return choices
 
-        def plans_of(batch, more=None, more_at_most=0):
+        def plans_of(batch, more=None):
             return list(batch), list(batch)
 
         scored = [(c, speed[c]) for c in starts]
