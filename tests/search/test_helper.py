@@ -284,11 +284,19 @@ def test_the_batch_is_sent_before_the_rest_is_found_here(monkeypatch):
     monkeypatch.setattr(helper._Helper, "call", recording)
     with helper.helping(problem, True):
         found, plans = helper.evaluate_batch(problem, BATCH[:3], evaluate, more)
-    assert found == BATCH
-    sent = [("sent", BATCH[i]) for i in (2, 1, 0)]
-    assert events == [*sent, ("found", BATCH[3:]), ("sent", BATCH[4]), ("sent", BATCH[3])]
-    assert len(set(map(GlobalChoices.key, built_here))) == len(built_here)
-    assert batch_rows(plans) == batch_rows(here)
+        assert found == BATCH
+        sent = [("sent", BATCH[i]) for i in (2, 1, 0)]
+        assert events == [*sent, ("found", BATCH[3:]), ("sent", BATCH[4]), ("sent", BATCH[3])]
+        assert len(set(map(GlobalChoices.key, built_here))) == len(built_here)
+        assert batch_rows(plans) == batch_rows(here)
+        # nothing before `more()`: this process starts on the first it found at once
+        helper_done()
+        events.clear(), built_here.clear()
+        found, plans = helper.evaluate_batch(problem, [], evaluate, more)
+    assert found == BATCH[3:]
+    assert events == [("found", BATCH[3:]), ("sent", BATCH[4])]
+    assert built_here[:1] == BATCH[3:4]
+    assert batch_rows(plans) == batch_rows(here[3:])
 
 
 def test_a_batch_waits_for_no_helper_busy_with_the_baselines():
