@@ -184,10 +184,9 @@ class Objective:
         batch: list[GlobalChoices],
         more: Callable[[], list[GlobalChoices]] | None = None,
     ) -> tuple[list[GlobalChoices], list[Plan | InfeasiblePlan]]:
-        """`batch + more()` and the `plan` of each.
-        Those not built yet are built together, shared with the helper process (with
-        `beside`, where worth sending), `batch`'s sent before `more()` is called
-        (`helper.evaluate_batch`)."""
+        """`batch + more()` and the `plan` of each. Those not built yet are built together,
+        shared with the helper process (with `beside`, where worth sending), `batch`'s sent
+        before `more()` is called (`helper.evaluate_batch`)."""
         fresh = list({c.key(): c for c in batch if c.key() not in self.cache}.values())
         if self.beside:
             found, plans = evaluate_batch(
