@@ -148,7 +148,7 @@ class Objective:
             if key in self.ahead:
                 helper.withdraw(self.problem, self.ahead.pop(key)[1])
 
-    def _take_ahead(self, key: tuple) -> None:
+    def _take_ahead(self, key: tuple, spare: GlobalChoices | None = None) -> None:
         """The plan built ahead for `key` where the helper has built it or is building it;
         the plans it has not started yet are withdrawn (this process builds them, and the
         helper builds the next beside each: `guess`, `plans`). While the helper finishes
@@ -165,11 +165,9 @@ class Objective:
         if working is not None and ticket > working:
             helper.withdraw(self.problem, ticket)
             return
-        if ticket == working and withdrawn:
-            started_s = time.perf_counter()
-            self.early[withdrawn[0].key()] = plan_for_choices(self.problem, withdrawn[0])
-            self.built_s += time.perf_counter() - started_s
-            self.built += 1
+        meanwhile = withdrawn[0] if withdrawn else spare
+        if ticket == working and meanwhile is not None and meanwhile.key() not in self.early:
+            self.early[meanwhile.key()] = self._aside(meanwhile)
         wait_s = max(BATCH_MIN_WAIT_S, BATCH_WAIT_FACTOR * self.built_s / max(1, self.built))
         answer = helper.result(self.problem, ticket, wait_s)
         if answer is not None:
@@ -200,20 +198,47 @@ class Objective:
         batch = [*batch, *extra]
         return batch, [self.plan(choices) for choices in batch]
 
-    def guess(
-        self, choices: GlobalChoices, following: Callable[[], GlobalChoices | None]
-    ) -> tuple[GlobalChoices | None, Plan | InfeasiblePlan | None]:
+    def guess(self, choices: GlobalChoices, following: Callable[[], list[GlobalChoices]]) -> None:
         """Build `plan(choices)`; where the search has a helper (`search.helper`), build the
-        plan of `following()` there meanwhile. Returns that candidate and its plan *without*
-        remembering it (or Nones): the caller keeps it with `remember` only where it would
-        have built it anyway."""
-        ahead = following() if self._worth_sending(1) and has_helper(self.problem) else None
-        built = set(self.cache) | set(self.early)
-        if ahead is None or ahead.key() in built or choices.key() in built:
+        plans of `following()` (the candidates after it, in order) beside it, shared with
+        the helper (`evaluate_batch`), and keep them aside (`early`): `plan` takes each
+        when asked for it, and `drop_ahead` drops one the caller passes over meanwhile. A
+        plan the helper builds ahead (`build_ahead`) is taken as in `plan`, with the first
+        of `following()` built here while the helper finishes it."""
+        if choices.key() in self.ahead:
+            spare = next(iter(self._unbuilt(following())), None) if self.beside else None
+            self._take_ahead(choices.key(), spare)
+        if choices.key() in self.cache or choices.key() in self.early:
             self.plan(choices)
-            return None, None
-        _, (_, guessed) = evaluate_batch(self.problem, [choices, ahead], self.plan)
-        return ahead, guessed
+            return
+        rest = self._unbuilt(following()) if has_helper(self.problem) else []
+        if not (rest and self._worth_sending(1)):
+            self.plan(choices)
+            return
+        everything = [choices, *rest]
+
+        def evaluate(candidate: GlobalChoices) -> Plan | InfeasiblePlan:
+            return self.plan(candidate) if candidate is choices else self._aside(candidate)
+
+        found, plans = evaluate_batch(
+            self.problem, everything, evaluate, worth=self._worth_sending
+        )
+        for candidate, plan in zip(found[1:], plans[1:]):
+            self.early.setdefault(candidate.key(), plan)
+        self.plan(choices)
+
+    def _unbuilt(self, candidates: list[GlobalChoices]) -> list[GlobalChoices]:
+        """`candidates` whose plans are neither built nor being built ahead, once each."""
+        built = set(self.cache) | set(self.early) | set(self.ahead)
+        return list({c.key(): c for c in candidates if c.key() not in built}.values())
+
+    def _aside(self, choices: GlobalChoices) -> Plan | InfeasiblePlan:
+        """`choices`'s plan, built here and counted (`built_s`) but not remembered."""
+        started_s = time.perf_counter()
+        plan = plan_for_choices(self.problem, choices)
+        self.built_s += time.perf_counter() - started_s
+        self.built += 1
+        return plan
 
     def _worth_sending(self, count: int) -> bool:
         """Whether `count` plans are worth building in the helper: with `beside`, where this
@@ -221,9 +246,6 @@ class Objective:
         if not self.beside or count < 1:
             return False
         return bool(self.built) and count * self.built_s / self.built >= HELPER_MIN_SHARE_S
-
-    def remember(self, choices: GlobalChoices, plan: Plan | InfeasiblePlan) -> None:
-        self.cache.setdefault(choices.key(), plan)
 
     def sample(self, trial: optuna.Trial) -> GlobalChoices:
         """The trial's choices, sampled (Optuna's suggestions)."""

@@ -171,16 +171,12 @@ def _scored_shortlist(study, objective: Objective, limit: int | None) -> int:
         if added and hopeless(problem, choices, best_step_s):
             objective.drop_ahead(choices)
             continue
-        # The next candidate not hopeless yet is built beside this one, and kept if it is
-        # still not hopeless once this one is scored (as it would then be built next).
-        ahead, guessed = objective.guess(
-            choices, partial(_next_hopeful, problem, waiting[index + 1 :], best_step_s)
-        )
+        # The candidates after it that are not hopeless yet are built beside it, and each
+        # is taken at its turn where it is still not hopeless (as it would then be built).
+        objective.guess(choices, partial(_hopeful, problem, waiting[index + 1 :], best_step_s))
         study.add_trial(objective.scored_trial(params_of(choices, quantum)))
         best_step_s = min(best_step_s, step_s(objective.plan(choices)))
         added += 1
-        if ahead is not None and not hopeless(problem, ahead, best_step_s):
-            objective.remember(ahead, guessed)
     return added
 
 
@@ -212,9 +208,9 @@ def _default_outrun(problem: Problem, objective: Objective, waiting: list) -> bo
     return first_s > HOPELESS_RATIO * step_s(objective.plan(rival))
 
 
-def _next_hopeful(problem, candidates: list, best_step_s: float):
-    """The first of `candidates` not hopeless beside `best_step_s`, or None."""
-    return next((c for c in candidates if not hopeless(problem, c, best_step_s)), None)
+def _hopeful(problem, candidates: list, best_step_s: float) -> list:
+    """Those of `candidates` not hopeless beside `best_step_s`."""
+    return [c for c in candidates if not hopeless(problem, c, best_step_s)]
 
 
 def _outcome(

@@ -407,9 +407,9 @@ def test_plan_search_reports_the_same_with_and_without_its_helper(monkeypatch, p
 
 
 def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(monkeypatch):
-    """The helper builds the next short-list candidate while this process scores one; where
-    the first one's step makes it hopeless, it is dropped as if never built (not a trial,
-    and not remembered: the polish would take it for scored)."""
+    """The helper builds the short-list candidates after the one this process scores (the
+    last first); where the first one's step makes one hopeless, it is dropped as if never
+    built (not a trial, and not remembered: the polish would take it for scored)."""
     import optuna
 
     from hexiseq.search import optuna_layer
@@ -435,8 +435,9 @@ def test_a_short_list_candidate_built_ahead_but_hopeless_by_then_is_left_out(mon
     study = optuna.create_study(direction="maximize")
     with helper.helping(problem, True):
         added = optuna_layer._score_shortlist(study, objective, None)
-    assert sent == [doomed]  # built ahead in the helper, alone
+    assert sent == [last, doomed]  # built beside the first, in the helper, the last first
     assert added == 2 and set(objective.cache) == {first.key(), last.key()}
+    assert not objective.early and not objective.ahead
     scored = [optuna_layer.choices_from_params(problem, t.params) for t in study.trials]
     assert [c.key() for c in scored] == [first.key(), last.key()]
 
@@ -620,6 +621,35 @@ def test_while_the_helper_builds_the_plan_asked_for_the_next_is_built_here(monke
     dropped.early[batch[3].key()] = here[3]
     dropped.drop_ahead(batch[3])
     assert not dropped.early
+
+
+def test_while_the_helper_builds_the_last_plan_built_ahead_the_next_candidate_is_built_here(
+    monkeypatch,
+):
+    """`guess` on the one plan built ahead while the helper is at it: this process builds
+    the first candidate after it meanwhile (kept aside, not remembered), and the ones after
+    that are built beside the next, shared with the helper; every plan is the one this
+    process would build."""
+    monkeypatch.setattr(helper, "planned", slow_planned)  # the helper is forked with it
+    batch, here, built, objective = built_ahead_setup(monkeypatch, 4)
+    problem = objective.problem
+    with helper.helping(problem, True):
+        objective.build_ahead(batch[:1])
+        time.sleep(0.1)  # the helper is on it
+        objective.guess(batch[0], lambda: batch[1:])
+        assert built == [batch[1].key()] and objective.taken_ahead == 1
+        assert set(objective.cache) == {batch[0].key()}
+        assert set(objective.early) == {batch[1].key()}
+        objective.guess(batch[1], lambda: batch[2:])  # taken from those built aside
+        assert set(objective.cache) == {batch[0].key(), batch[1].key()}
+        assert not objective.early and built == [batch[1].key()]
+        objective.guess(batch[2], lambda: batch[3:])  # the fourth is sent to the helper
+        helper_done()
+        assert built == [batch[1].key(), batch[2].key()]
+        assert set(objective.early) == {batch[3].key()}
+        plans = [objective.plan(choices) for choices in batch]
+    assert built == [batch[1].key(), batch[2].key()]
+    assert batch_rows(plans) == batch_rows(here)
 
 
 @pytest.mark.parametrize("gpus, count", [(32, 4), (16, 4)])
