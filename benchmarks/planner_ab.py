@@ -7,7 +7,9 @@ package-dir mapping of pyproject.toml), and alternates the two trees round by ro
 round a fresh process per tree. A cell's time is the median wall time of `--repeats`
 searches after one warm-up (planner_scaling's clusters, Llama-3-8B at 1M tokens, 512K where
 nothing fits); the table gives each tree's median over the rounds, the change, and whether
-the two trees' best plans run equally fast. Wall time, not this process's CPU time: a search
+the two trees' best plans run equally fast, and the part of a search that scores its short
+list (from the short list found to the polish's start), and sums over the random clusters and
+over the grid cells. Wall time, not this process's CPU time: a search
 may send work to a helper process (`search.helper`; before it, a child forked for the
 baselines, `search.beside`), whose CPU time the parent's would leave out, and the parent's
 time blocked waiting for it too.
@@ -81,6 +83,7 @@ def measure(tree: Path, cells: list[str], repeats: int) -> dict:
 
     if not Path(hexiseq.__file__).resolve().is_relative_to(tree.resolve()):
         raise SystemExit(f"hexiseq came from {hexiseq.__file__}, not from {tree}")
+    marks = _scoring_marks()
     found = {}
     for cell in cells:
         if cell.startswith(RANDOM):
@@ -90,16 +93,46 @@ def measure(tree: Path, cells: list[str], repeats: int) -> dict:
             gpus, types = (int(part) for part in cell.split("x"))
             cluster, model, seq_lens = build_cluster(gpus, types), MODEL, SEQ_LENS
         seq_len, result = _fitting_search(hexiseq, cluster, model, seq_lens)
-        seconds = []
+        seconds, scoring = [], []
         for _ in range(repeats):
+            marks.clear()
             started = time.perf_counter()
             hexiseq.plan_search(cluster, model, seq_len)
             seconds.append(time.perf_counter() - started)
+            if {"found", "polished"} <= set(marks):
+                scoring.append(marks["polished"] - marks["found"])
         found[cell] = {
             "seconds": statistics.median(seconds),
+            "scoring_s": statistics.median(scoring) if scoring else None,
             "tokens_per_s": result.best.predicted.tokens_per_s,
         }
     return found
+
+
+def _scoring_marks() -> dict:
+    """Note when the search's short list is found and when its polish starts (between the
+    two the short list is scored), where the tree has them (`optuna_layer.shortlist` and
+    `_polish`): {"found": perf_counter, "polished": perf_counter}, set anew each search."""
+    from hexiseq.search import optuna_layer
+
+    marks: dict = {}
+    for name, mark, after in (("shortlist", "found", True), ("_polish", "polished", False)):
+        real = getattr(optuna_layer, name, None)
+        if real is not None:
+            setattr(optuna_layer, name, _marking(real, marks, mark, after))
+    return marks
+
+
+def _marking(real, marks: dict, mark: str, after: bool):
+    def marked(*args, **kwargs):
+        if not after:
+            marks[mark] = time.perf_counter()
+        value = real(*args, **kwargs)
+        if after:
+            marks[mark] = time.perf_counter()
+        return value
+
+    return marked
 
 
 RANDOM = "random"  # a cell of plan_quality.py's random clusters: random0 ... random19
@@ -124,7 +157,7 @@ def _fitting_search(hexiseq, cluster, model: str, seq_lens: tuple[str, ...]):
 
 def run_rounds(baseline: Path, cells: list[str], rounds: int, repeats: int) -> dict:
     """{tree name: {cell: [per-round results]}}, the trees alternating round by round."""
-    trees = {"baseline": baseline, "this tree": REPO}
+    trees = dict(zip(TREES, (baseline, REPO)))
     results: dict = {name: {cell: [] for cell in cells} for name in trees}
     for _ in range(rounds):
         for name, tree in trees.items():
@@ -141,21 +174,46 @@ def run_rounds(baseline: Path, cells: list[str], rounds: int, repeats: int) -> d
 
 def format_table(results: dict, cells: list[str]) -> str:
     lines = [
-        "| cell (GPUs x types) | baseline s | this tree s | change | best plan tokens/s |",
-        "|---|---:|---:|---:|---|",
+        "| cell (GPUs x types) | baseline s | this tree s | change | short list scored, "
+        "baseline -> this tree, ms | best plan tokens/s |",
+        "|---|---:|---:|---:|---:|---|",
     ]
+    sums: dict = {}
     for cell in cells:
-        old, new = (
-            statistics.median(r["seconds"] for r in results[name][cell])
-            for name in ("baseline", "this tree")
-        )
+        old, new = (_median(results[name][cell], "seconds") for name in TREES)
+        old_scoring, new_scoring = (_median(results[name][cell], "scoring_s") for name in TREES)
         old_rate = results["baseline"][cell][0]["tokens_per_s"]
         new_rate = results["this tree"][cell][0]["tokens_per_s"]
         plan = "same" if old_rate == new_rate else f"{100 * (new_rate / old_rate - 1):+.2f} %"
+        group = "random clusters" if cell.startswith(RANDOM) else "grid cells"
+        total = sums.setdefault(group, [0, 0.0, 0.0, 0.0, 0.0])
+        total[0] += 1
+        total[1:] = [
+            a + (b or 0.0) for a, b in zip(total[1:], (old, new, old_scoring, new_scoring))
+        ]
         lines.append(
-            f"| {cell} | {old:.3f} | {new:.3f} | {100 * (new / old - 1):+.1f} % | {plan} |"
+            f"| {cell} | {old:.3f} | {new:.3f} | {100 * (new / old - 1):+.1f} % | "
+            f"{_ms(old_scoring)} -> {_ms(new_scoring)} | {plan} |"
+        )
+    for group, (count, old, new, old_scoring, new_scoring) in sums.items():
+        change = f"{100 * (new_scoring / old_scoring - 1):+.1f} %" if old_scoring else "-"
+        lines.append(
+            f"| sum of {count} {group} | {old:.3f} | {new:.3f} | {100 * (new / old - 1):+.1f} % | "
+            f"{_ms(old_scoring)} -> {_ms(new_scoring)} ({change}) | |"
         )
     return "\n".join(lines)
+
+
+TREES = ("baseline", "this tree")
+
+
+def _median(rounds: list[dict], what: str) -> float | None:
+    values = [r[what] for r in rounds if r.get(what) is not None]
+    return statistics.median(values) if values else None
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.1f}"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
