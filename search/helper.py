@@ -2,18 +2,20 @@
 
 The default search has work that does not depend on what it is doing meanwhile: the baselines
 (`search.beside`), batches of candidates whose plans do not depend on each other (the polish's
-neighbours, `search.polish`; two at a time, the short list, `search.optuna_layer`), where
-both move, the short list's descent with activation checkpointing beside the one without
-(`search.shortlist`), and else, while the one descent runs here, the plans of the greedy
-picks the short list will score (`Objective.build_ahead`: their busy rates are known and
-never change, so they are the plans this process would build later).
+neighbours, `search.polish`; the short-list candidates after the one being scored that are
+not hopeless yet, `Objective.guess`), where both move, the short list's descent with
+activation checkpointing beside the one without (`search.shortlist`), and else, while the
+one descent runs here, the plans of the greedy picks the short list will score
+(`Objective.build_ahead`: their busy rates are known and never change, so they are the plans
+this process would build later).
 
 The helper works in order, one piece of work at a time. Work not started yet can be
 withdrawn (`withdraw`): the helper skips it, and its answer (an empty one where skipped) is
 dropped. A plan built ahead is taken where the helper has built it or is building it
 (`under_way`: the first asked for and not answered); the others still waiting are withdrawn
-then, and built here (the next one while the helper finishes the one asked for) with the
-next candidate beside each, as without them.
+then, and built here (the next one, or where none is left the next short-list candidate,
+while the helper finishes the one asked for), with the candidates after each shared, as
+without them.
 
 Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
 search forks one helper process, and the process keeps it for its later searches. A search
