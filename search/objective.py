@@ -116,10 +116,7 @@ class Objective:
         if key not in self.cache and key in self.early:
             self.cache[key] = self.early.pop(key)
         if key not in self.cache:
-            started_s = time.perf_counter()
-            self.cache[key] = plan_for_choices(self.problem, choices)
-            self.built_s += time.perf_counter() - started_s
-            self.built += 1
+            self.cache[key] = self._aside(choices)
         return self.cache[key]
 
     def build_ahead(self, batch: list[GlobalChoices]) -> None:
@@ -233,7 +230,8 @@ class Objective:
         return list({c.key(): c for c in candidates if c.key() not in built}.values())
 
     def _aside(self, choices: GlobalChoices) -> Plan | InfeasiblePlan:
-        """`choices`'s plan, built here and counted (`built_s`) but not remembered."""
+        """`choices`'s plan, built here and counted (`built_s`), not remembered (`plan`
+        remembers what it builds with it)."""
         started_s = time.perf_counter()
         plan = plan_for_choices(self.problem, choices)
         self.built_s += time.perf_counter() - started_s
