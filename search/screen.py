@@ -328,11 +328,11 @@ def _fill_from(problem: Problem, groups: list[Group], heads, quantum: int) -> No
     """Simulate the even layout of `groups` and keep the rates of each group not known yet.
     A group's rates, once found, are kept: with rates that never change, a plan can be
     built ahead of time, in the search's helper, and be the plan this process would build
-    later (`shortlist.ahead_of_descents`). Another layout's simulation gives a group's
-    rates again to the last bits (at most 4e-16 relative on 16-128 GPUs) where the group is
-    as large as the probe's degree; a group a probe forms only because a node or a type
-    caps it (a node's leftover GPU, a lone GPU of its type) is simulated at another segment
-    length in each probe, and its rates differ more: on plan_quality's seed-2037 #1, the
+    later (`shortlist.ahead_of_descents`). On the 16-128 GPU cells another layout's
+    simulation gave the groups the same rates to the last bits (at most 4e-16 relative),
+    but a group a probe forms only because a node or a type caps it (a node's leftover
+    GPU, a lone GPU of its type) is simulated at another segment length in each probe, and
+    its rates can differ more: on plan_quality's seed-2037 #1, the
     A100-80G left over by a node of five and the lone H200 read 5.6 % and 6.2 % apart in
     the degree-1 and degree-4 probes, and the plan of one set of choices (HP 4/4/1, file
     order, quantum 256) came out 4.5 % slower where the degree-1 probe ran first (15,714
