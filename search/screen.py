@@ -332,13 +332,13 @@ def _fill_from(problem: Problem, groups: list[Group], heads, quantum: int) -> No
     simulation gave the groups the same rates to the last bits (at most 4e-16 relative),
     but a group a probe forms only because a node or a type caps it (a node's leftover
     GPU, a lone GPU of its type) is simulated at another segment length in each probe, and
-    its rates can differ more: on plan_quality's seed-2037 #1, the
-    A100-80G left over by a node of five and the lone H200 read 5.6 % and 6.2 % apart in
-    the degree-1 and degree-4 probes, and the plan of one set of choices (HP 4/4/1, file
-    order, quantum 256) came out 4.5 % slower where the degree-1 probe ran first (15,714
-    against 16,423 tokens/s). Keeping such a group's rates from the probe of its own size
-    only made the search's plans no better: 315 of the 340 clusters of seeds 2024-2040
-    within 1 % of their exhaustive optima, against 316."""
+    its rates can differ more: on plan_quality's seed-2037 #1, the A100-80G left over by a
+    node of five and the lone H200 read 5.6 % and 6.2 % apart in the degree-1 and degree-4
+    probes, and the plan of one set of choices (HP 4/4/1, file order, quantum 256) came out
+    4.5 % slower where the degree-1 probe ran first (15,714 against 16,423 tokens/s).
+    Keeping such a group's rates from the probe of its own size only made the search's
+    plans no better: 315 of the 340 clusters of seeds 2024-2040 within 1 % of their
+    exhaustive optima, against 316."""
     layout = even_layout(problem, groups, heads, quantum)
     if layout is None:
         return
