@@ -1,5 +1,5 @@
 """`python -m hexiseq.cli ...`: the `hexiseq` command."""
 
-from hexiseq.cli import main
+from hexiseq.cli import console
 
-raise SystemExit(main())
+raise SystemExit(console())

@@ -578,15 +578,23 @@ def _schema_state(connection: Connection, display_url: str) -> str:
     ).scalar_one_or_none()
     if stored is not None:
         _check_schema_version(stored, display_url)
-    revision = (
-        migrations.current_revision(connection) if migrations.VERSION_TABLE in tables else None
-    )
+    try:
+        revision = (
+            migrations.current_revision(connection) if migrations.VERSION_TABLE in tables else None
+        )
+    except ValueError as error:
+        raise InputError(
+            f"store {display_url} cannot be read: {error}; restore it from a copy or use "
+            "another store"
+        ) from None
+    if revision == migrations.HEAD_REVISION:
+        return "current"  # no Alembic needed (`hexiseq.migrations`)
     if revision is not None and not migrations.is_known(revision):
         raise InputError(
             f"store {display_url} has schema revision {revision!r}, newer than this hexiseq "
             f"knows ({migrations.head_revision()}); upgrade hexiseq or use another store"
         )
-    return "current" if revision == migrations.head_revision() else "old"
+    return "old"
 
 
 def _refuse_foreign(tables: set[str], display_url: str) -> None:

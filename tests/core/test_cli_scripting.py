@@ -457,3 +457,29 @@ def _link_row(measurement_type, status: str, size: int):
         link_class="intra:cpu",
         error=None if ok else "boom",
     )
+
+
+# --- the console script -----------------------------------------------------------------------
+
+CONSOLE = (
+    "import gc, sys; from hexiseq.cli import console; sys.argv[0] = 'hexiseq'; code = console(); "
+    "print('frozen', gc.get_freeze_count() > 0, file=sys.stderr); sys.exit(code)"
+)
+
+
+def test_the_console_script_plans_then_freezes_the_heap_for_a_quick_exit(tmp_path):
+    """`console` (the `hexiseq` script) runs the command in full, then leaves the exit's
+    collection nothing to walk; `python -m hexiseq.cli` goes the same way."""
+    out = tmp_path / "plan.json"
+    argv = ["plan", *TINY, "--no-store", "--out", str(out)]
+    done = subprocess.run(
+        [sys.executable, "-c", CONSOLE, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "frozen True" in done.stderr
+    assert Plan.from_json_text(out.read_text()).predicted.tokens_per_s > 0
+    module = subprocess.run(
+        [sys.executable, "-m", "hexiseq.cli", *argv], capture_output=True, text=True, timeout=300
+    )
+    assert module.returncode == 0, module.stderr
+    assert "tokens/s" in module.stdout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sqlite3
+from importlib import resources
 
 import pytest
 
@@ -119,3 +120,15 @@ def test_implausible_links_are_refused(network, field):
     ]
     with pytest.raises(InputError, match=field):
         Cluster.from_dict({"name": "x", "nodes": nodes, "network": network})
+
+
+@pytest.mark.parametrize("name", ["gpus.yaml", "models.yaml"])
+def test_packaged_yaml_reads_the_same_with_either_loader(name):
+    """hexiseq's own YAML goes through libyaml where PyYAML has it (`PACKAGED_LOADER`, for a
+    quick start), a user's files through PyYAML's loader: the documents must be the same."""
+    import yaml
+
+    from hexiseq._yaml import read_packaged_yaml
+
+    text = resources.files("hexiseq").joinpath("data", name).read_text("utf-8")
+    assert read_packaged_yaml(name) == yaml.load(text, Loader=yaml.SafeLoader)

@@ -142,6 +142,41 @@ def test_a_store_of_a_revision_this_hexiseq_does_not_know_is_refused_untouched(t
     assert (tmp_path / "s.db").read_bytes() == before
 
 
+def test_the_head_revision_constant_is_alembics_head():
+    """`HEAD_REVISION` lets a current store open without Alembic: it must be the newest file's."""
+    assert migrations.head_revision() == migrations.HEAD_REVISION
+
+
+_OPEN_WITHOUT_ALEMBIC = """
+import sys
+from hexiseq.store import Store
+with Store.open(sys.argv[1]) as store:
+    store.list_plans()
+print("alembic" in sys.modules)
+"""
+
+
+def test_a_store_at_the_head_opens_without_importing_alembic(tmp_path):
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    Store.open(url).close()  # a new store: migrated, with Alembic
+    code = [sys.executable, "-c", _OPEN_WITHOUT_ALEMBIC, url]
+    done = subprocess.run(code, capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_a_version_table_of_two_rows_is_refused_untouched(tmp_path):
+    """hexiseq's revisions form one line, so its version table holds one row; a store with two
+    is refused with a message, not read as either."""
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    Store.open(url).close()
+    with sqlite3.connect(tmp_path / "s.db") as connection:
+        connection.execute(f"INSERT INTO {migrations.VERSION_TABLE} VALUES ('0003')")
+    before = (tmp_path / "s.db").read_bytes()
+    with pytest.raises(InputError, match=r"holds 2 revisions \(.*0003.*\), not one"):
+        Store.open(url)
+    assert (tmp_path / "s.db").read_bytes() == before
+
+
 def test_a_read_only_store_at_the_newest_schema_opens(tmp_path):
     path = tmp_path / "s.db"
     Store.open(f"sqlite:///{path}").close()
