@@ -250,6 +250,19 @@ def foreign_sqlite(d: Path) -> str:
     return f"sqlite:///{path}"
 
 
+def two_revision_store(d: Path) -> str:
+    """A hexiseq store whose version table holds two revisions (hexiseq writes one)."""
+    from hexiseq import migrations
+    from hexiseq.store import Store
+
+    path = d / "two-revisions.db"
+    if not path.exists():  # each entry point's cases ask for the URLs again
+        Store.open(f"sqlite:///{path}").close()
+        with sqlite3.connect(path) as connection:
+            connection.execute(f"INSERT INTO {migrations.VERSION_TABLE} VALUES ('0003')")
+    return f"sqlite:///{path}"
+
+
 def bad_urls(d: Path) -> dict[str, str]:
     (d / "a-directory").mkdir(exist_ok=True)
     _write(d, "not-a-database.db", "hello, not SQLite")
@@ -262,6 +275,7 @@ def bad_urls(d: Path) -> dict[str, str]:
         "a directory": f"sqlite:///{d / 'a-directory'}",
         "not a database": f"sqlite:///{d / 'not-a-database.db'}",
         "foreign SQLite": foreign_sqlite(d),
+        "two schema revisions": two_revision_store(d),
         "under /proc": "sqlite:////proc/hexiseq/x.db",
         "empty": "",
     }
@@ -330,7 +344,8 @@ def cli_cases(d: Path, good_plan_path: str, good_plan: dict) -> list[Case]:
             label,
             [*plan_sl, "8k"][:-1] + ["--store", url, "--seq-len", "8k"],
         )
-        if label != "foreign SQLite":  # Optuna shares a database with other tables by design
+        # Optuna shares a database with other tables by design, and keeps its own revision
+        if label not in ("foreign SQLite", "two schema revisions"):
             add("--storage URL (plan)", label, [*plan_sl, "8k", "--trials", "2", "--storage", url])
         add("--store URL (fit)", label, ["fit", "--store", url])
         add("--store URL (plans list)", label, ["plans", "list", "--store", url])
