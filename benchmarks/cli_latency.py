@@ -31,7 +31,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from _results import replace_section
-from planner_ab import _git, _TreeFinder
+from planner_ab import _git, _TreeFinder, baseline_worktree
 
 REPO = Path(__file__).resolve().parent.parent
 COMMAND = ["plan", "--cluster", "h100x8-a100x8", "--model", "llama-30b", "--seq-len", "256k"]
@@ -128,23 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure is not None:
         print(json.dumps(measure(Path(args.measure), args.store)))
         return 0
-    try:
-        revision = _git("rev-parse", "--short", "--verify", f"{args.baseline}^{{commit}}")
-    except subprocess.CalledProcessError:
-        raise SystemExit(
-            f"--baseline {args.baseline!r} is not a revision of this repository"
-        ) from None
     head = _git("rev-parse", "--short", "HEAD")
     dirty = "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
-    labels = {"baseline": revision, "this": f"this tree ({head}{dirty})"}
-    with tempfile.TemporaryDirectory() as scratch:
-        worktree = Path(scratch) / "baseline"
-        _git("worktree", "add", "--detach", str(worktree), revision)
-        try:
-            trees = {"baseline": worktree, "this": REPO}
-            results = run_alternating(trees, Path(scratch), args.runs)
-        finally:
-            _git("worktree", "remove", "--force", str(worktree))
+    with baseline_worktree(args.baseline) as (revision, worktree):
+        labels = {"baseline": revision, "this": f"this tree ({head}{dirty})"}
+        trees = {"baseline": worktree, "this": REPO}
+        with tempfile.TemporaryDirectory() as stores:
+            results = run_alternating(trees, Path(stores), args.runs)
     table = format_table(results, labels)
     print(table)
     if not args.no_write:

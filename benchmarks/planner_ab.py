@@ -34,6 +34,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -247,19 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure is not None:
         print(json.dumps(measure(Path(args.measure), args.cells, args.repeats)))
         return 0
-    try:
-        revision = _git("rev-parse", "--short", "--verify", f"{args.baseline}^{{commit}}")
-    except subprocess.CalledProcessError:
-        raise SystemExit(
-            f"--baseline {args.baseline!r} is not a revision of this repository"
-        ) from None
-    with tempfile.TemporaryDirectory() as scratch:
-        worktree = Path(scratch) / "baseline"
-        _git("worktree", "add", "--detach", str(worktree), revision)
-        try:
-            results = run_rounds(worktree, args.cells, args.rounds, args.repeats)
-        finally:
-            _git("worktree", "remove", "--force", str(worktree))
+    with baseline_worktree(args.baseline) as (revision, worktree):
+        results = run_rounds(worktree, args.cells, args.rounds, args.repeats)
     table = format_table(results, args.cells)
     print(table)
     if not args.no_write:
@@ -278,6 +269,23 @@ def main(argv: list[str] | None = None) -> int:
             f"very same number).\n\n{table}\n\nProduced by `{command}`.",
         )
     return 0
+
+
+@contextmanager
+def baseline_worktree(baseline: str) -> Iterator[tuple[str, Path]]:
+    """(short revision, a temporary git worktree of it) for `baseline`, removed afterwards;
+    SystemExit where it names no revision of this repository."""
+    try:
+        revision = _git("rev-parse", "--short", "--verify", f"{baseline}^{{commit}}")
+    except subprocess.CalledProcessError:
+        raise SystemExit(f"--baseline {baseline!r} is not a revision of this repository") from None
+    with tempfile.TemporaryDirectory() as scratch:
+        worktree = Path(scratch) / "baseline"
+        _git("worktree", "add", "--detach", str(worktree), revision)
+        try:
+            yield revision, worktree
+        finally:
+            _git("worktree", "remove", "--force", str(worktree))
 
 
 def _git(*args: str) -> str:

@@ -131,13 +131,23 @@ def test_a_migration_that_fails_half_way_leaves_the_store_as_it_was(tmp_path, mo
         assert store.list_runtime_runs()[0]["status"] == "finished"
 
 
-def test_a_store_of_a_revision_this_hexiseq_does_not_know_is_refused_untouched(tmp_path):
+@pytest.mark.parametrize(
+    ("statement", "message"),
+    [
+        ("UPDATE {table} SET version_num = '0099'", r"schema revision '0099', newer than this"),
+        ("INSERT INTO {table} VALUES ('0003')", r"holds 2 revisions \(.*0003.*\), not one"),
+    ],
+    ids=["newer revision", "two revisions"],
+)
+def test_a_store_whose_revision_cannot_be_taken_is_refused_untouched(tmp_path, statement, message):
+    """A revision this hexiseq does not know (a newer hexiseq's), or two where hexiseq's line
+    of revisions keeps one, is refused with a message, the store unchanged."""
     url = f"sqlite:///{tmp_path / 's.db'}"
     Store.open(url).close()
     with sqlite3.connect(tmp_path / "s.db") as connection:
-        connection.execute(f"UPDATE {migrations.VERSION_TABLE} SET version_num = '0099'")
+        connection.execute(statement.format(table=migrations.VERSION_TABLE))
     before = (tmp_path / "s.db").read_bytes()
-    with pytest.raises(InputError, match=r"schema revision '0099', newer than this hexiseq"):
+    with pytest.raises(InputError, match=message):
         Store.open(url)
     assert (tmp_path / "s.db").read_bytes() == before
 
@@ -162,19 +172,6 @@ def test_a_store_at_the_head_opens_without_importing_alembic(tmp_path):
     code = [sys.executable, "-c", _OPEN_WITHOUT_ALEMBIC, url]
     done = subprocess.run(code, capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "False"
-
-
-def test_a_version_table_of_two_rows_is_refused_untouched(tmp_path):
-    """hexiseq's revisions form one line, so its version table holds one row; a store with two
-    is refused with a message, not read as either."""
-    url = f"sqlite:///{tmp_path / 's.db'}"
-    Store.open(url).close()
-    with sqlite3.connect(tmp_path / "s.db") as connection:
-        connection.execute(f"INSERT INTO {migrations.VERSION_TABLE} VALUES ('0003')")
-    before = (tmp_path / "s.db").read_bytes()
-    with pytest.raises(InputError, match=r"holds 2 revisions \(.*0003.*\), not one"):
-        Store.open(url)
-    assert (tmp_path / "s.db").read_bytes() == before
 
 
 def test_a_read_only_store_at_the_newest_schema_opens(tmp_path):
