@@ -37,7 +37,8 @@ _FITTING = {
 }
 """What fitting and fitted models need, by the module that defines it: imported when first
 asked for (`__getattr__`), not with the package. Planning on the datasheet model never asks,
-and these modules' pydantic documents took 0.12 s of each cold `hexiseq plan`."""
+and importing these modules (their pydantic documents) took about 0.12 s of each cold
+`hexiseq plan` (`benchmarks/cli_latency.py`)."""
 
 
 def __getattr__(name: str) -> Any:

@@ -14,9 +14,9 @@ that it is Alembic's head), and raise `SCHEMA_VERSION` in `versions/` when an ol
 could no longer read the result.
 
 Opening a store that is at the head needs no Alembic: its revision is read with one query and
-compared with `HEAD_REVISION` (importing Alembic and reading the revision files took 0.29 s of
-the 2.5 s `hexiseq plan` took on a 2-core machine). Alembic is loaded where a store is older,
-newer or new.
+compared with `HEAD_REVISION`. Importing Alembic and reading the revision files made opening
+the store 0.16-0.20 s of a cold `hexiseq plan` on a 2-core machine, 0.03 s without them
+(`benchmarks/cli_latency.py`). Alembic is loaded where a store is older, newer or new.
 """
 
 from __future__ import annotations
