@@ -13,9 +13,9 @@ The helper works in order, one piece of work at a time. Work not started yet can
 withdrawn (`withdraw`): the helper skips it, and its answer (an empty one where skipped) is
 dropped. A plan built ahead is taken where the helper has built it or is building it
 (`under_way`: the first asked for and not answered); the others still waiting are withdrawn
-then, and built here (the next one, or where none is left the next short-list candidate,
-while the helper finishes the one asked for), with the candidates after each shared, as
-without them.
+then. While the helper finishes the one asked for, the short-list candidates after it (the
+withdrawn ones among them) are shared as a batch queued behind it (`evaluate_batch`'s
+`behind`): built here from the front, and there from the back once it is done.
 
 Where a fork is safe (`safe_to_fork`: Linux, a second CPU, no other thread), the first default
 search forks one helper process, and the process keeps it for its later searches. A search
@@ -175,6 +175,7 @@ def evaluate_batch(
     evaluate: Callable[[GlobalChoices], Scored],
     more: Callable[[], list[GlobalChoices]] | None = None,
     worth: Callable[[int], bool] = lambda count: True,
+    behind: int | None = None,
 ) -> tuple[list[GlobalChoices], list[Scored]]:
     """`batch + more()` and `[evaluate(c) for c in batch + more()]`, shared with the helper
     where the search has one with nothing else to do (module doc) and `worth` says half of
@@ -187,16 +188,17 @@ def evaluate_batch(
     it builds), each plan the helper has not started, withdrawing it there, and waits for
     the rest; the helper's plans are returned without `evaluate` seeing them. Neither
     waits while the other has a plan left to start, however long the plans and `more()`
-    take."""
+    take. With `behind` (the ticket of the work the helper is at), the batch is shared
+    where that is all the helper has to do: it starts on the batch once that is done."""
     helper = _helper_of(problem)
     everything = list(batch)
     tickets: dict[int, int] = {}  # position in `everything` -> the helper's ticket
-    if helper is not None and helper.idle() and worth(len(batch) // 2):
+    if helper is not None and helper.free(behind) and worth(len(batch) // 2):
         _offer(problem, helper, everything, range(0 if more else 1, len(batch)), tickets)
     if more is not None:
         everything += more()
     sharing = helper is not None and (
-        bool(tickets) or (helper.idle() and worth(len(everything) // 2))
+        bool(tickets) or (helper.free(behind) and worth(len(everything) // 2))
     )
     if sharing:  # with none sent yet, this process starts on the first at once
         unsent = range(len(batch) if tickets else 1, len(everything))
@@ -325,8 +327,12 @@ class _Helper:
 
     def idle(self) -> bool:
         """Whether every answer asked for is in (read without waiting)."""
+        return self.free()
+
+    def free(self, behind: int | None = None) -> bool:
+        """Whether every answer asked for is in but `behind`'s (read without waiting)."""
         self._read(wait_s=0.0)
-        return not self.waiting
+        return self.waiting <= {behind}
 
     def take(self, problem: Problem, ticket: int, wait_s: float) -> tuple[Any] | None:
         """`(value,)` of `ticket`'s work, waiting at most `wait_s`; None where there is none

@@ -145,12 +145,18 @@ class Objective:
             if key in self.ahead:
                 helper.withdraw(self.problem, self.ahead.pop(key)[1])
 
-    def _take_ahead(self, key: tuple, spare: GlobalChoices | None = None) -> None:
+    def _take_ahead(
+        self, key: tuple, following: Callable[[], list[GlobalChoices]] | None = None
+    ) -> None:
         """The plan built ahead for `key` where the helper has built it or is building it;
         the plans it has not started yet are withdrawn (this process builds them, and the
         helper builds the next beside each: `guess`, `plans`). While the helper finishes
-        `key`'s, this process builds the next one's (kept in `early`, remembered when asked
-        for: a candidate dropped as hopeless meanwhile is dropped with it)."""
+        `key`'s, the plans of `following()` (the candidates after it, in order; without it,
+        the next plan withdrawn) are built here from the front and there from the back once
+        it is done (`evaluate_batch`, kept in `early`, remembered when asked for: a candidate
+        dropped as hopeless meanwhile is dropped with it). That the helper is still at
+        `key`'s plan, started ahead, says the plans are worth sharing before this search has
+        built one."""
         _, ticket = self.ahead.pop(key)
         working = helper.under_way(self.problem)
         later = [k for k, (_, t) in self.ahead.items() if working is not None and t > working]
@@ -162,9 +168,13 @@ class Objective:
         if working is not None and ticket > working:
             helper.withdraw(self.problem, ticket)
             return
-        meanwhile = withdrawn[0] if withdrawn else spare
-        if ticket == working and meanwhile is not None and meanwhile.key() not in self.early:
-            self.early[meanwhile.key()] = self._aside(meanwhile)
+        meanwhile = self._unbuilt(following() if following is not None else withdrawn[:1])
+        if ticket == working and meanwhile:
+            found, plans = evaluate_batch(
+                self.problem, meanwhile, self._aside, worth=lambda count: True, behind=ticket
+            )
+            for candidate, plan in zip(found, plans):
+                self.early.setdefault(candidate.key(), plan)
         wait_s = max(BATCH_MIN_WAIT_S, BATCH_WAIT_FACTOR * self.built_s / max(1, self.built))
         answer = helper.result(self.problem, ticket, wait_s)
         if answer is not None:
@@ -203,8 +213,7 @@ class Objective:
         plan the helper builds ahead (`build_ahead`) is taken as in `plan`, with the first
         of `following()` built here while the helper finishes it."""
         if choices.key() in self.ahead:
-            spare = next(iter(self._unbuilt(following())), None) if self.beside else None
-            self._take_ahead(choices.key(), spare)
+            self._take_ahead(choices.key(), following if self.beside else None)
         if choices.key() in self.cache or choices.key() in self.early:
             self.plan(choices)
             return

@@ -623,32 +623,34 @@ def test_while_the_helper_builds_the_plan_asked_for_the_next_is_built_here(monke
     assert not dropped.early
 
 
-def test_while_the_helper_builds_the_last_plan_built_ahead_the_next_candidate_is_built_here(
+def test_while_the_helper_builds_the_last_plan_built_ahead_the_candidates_after_it_are_shared(
     monkeypatch,
 ):
-    """`guess` on the one plan built ahead while the helper is at it: this process builds
-    the first candidate after it meanwhile (kept aside, not remembered), and the ones after
-    that are built beside the next, shared with the helper; every plan is the one this
-    process would build."""
+    """`guess` on the one plan built ahead while the helper is at it: the candidates after it
+    are built meanwhile, here from the front and in the helper from the back once it is done
+    (`evaluate_batch` queued behind it), each kept aside, not remembered, until asked for;
+    every plan is the one this process would build."""
+    from hexiseq.search import objective as objective_module
+
     monkeypatch.setattr(helper, "planned", slow_planned)  # the helper is forked with it
     batch, here, built, objective = built_ahead_setup(monkeypatch, 4)
+    counting = objective_module.plan_for_choices
+
+    def slow_here(problem, choices):  # this process's builds only (the helper has its own)
+        time.sleep(1.0)  # time for the helper to finish the one ahead and build two more
+        return counting(problem, choices)
+
+    monkeypatch.setattr(objective_module, "plan_for_choices", slow_here)
     problem = objective.problem
     with helper.helping(problem, True):
         objective.build_ahead(batch[:1])
         time.sleep(0.1)  # the helper is on it
         objective.guess(batch[0], lambda: batch[1:])
-        assert built == [batch[1].key()] and objective.taken_ahead == 1
-        assert set(objective.cache) == {batch[0].key()}
-        assert set(objective.early) == {batch[1].key()}
-        objective.guess(batch[1], lambda: batch[2:])  # taken from those built aside
-        assert set(objective.cache) == {batch[0].key(), batch[1].key()}
-        assert not objective.early and built == [batch[1].key()]
-        objective.guess(batch[2], lambda: batch[3:])  # the fourth is sent to the helper
-        helper_done()
-        assert built == [batch[1].key(), batch[2].key()]
-        assert set(objective.early) == {batch[3].key()}
+        assert objective.taken_ahead == 1 and set(objective.cache) == {batch[0].key()}
+        assert set(objective.early) == {choices.key() for choices in batch[1:]}
+        assert built == [batch[1].key()]  # the other two were the helper's
         plans = [objective.plan(choices) for choices in batch]
-    assert built == [batch[1].key(), batch[2].key()]
+        assert not objective.early and built == [batch[1].key()]
     assert batch_rows(plans) == batch_rows(here)
 
 
