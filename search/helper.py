@@ -97,8 +97,10 @@ HELPER_MIN_SHARE_S = 0.004
 of the search's plans so far, `objective.Objective`): handing them over costs about 1-3 ms
 (the rates and the plans pickled, the helper's own first simulations of the search), and on
 32 GPUs of one type (plans of 2-3 ms) handing over every batch made searches 16 % slower.
-Before the search has built a plan, no batch goes (the greedy picks built ahead while the
-short list's lone descent runs here are the exception: `Objective.build_ahead`)."""
+Before the search has built a plan, no batch goes (the exceptions: the greedy picks built
+ahead while the short list's lone descent runs here, `Objective.build_ahead`, and the
+short-list candidates queued behind one of them the helper is still building,
+`Objective._take_ahead`)."""
 SHARED = ("cluster", "model", "cost")
 """The problem's parts an answer refers to by name (`_Pickler`): this process has them."""
 HELPER_VARIABLE = "HEXISEQ_SEARCH_HELPER"
