@@ -5,6 +5,11 @@ up to one HP group per GPU, so its wall time bounds how many candidates a search
 Clusters: nodes of 8 GPUs, H100-SXM / A100-80G / L40S / RTX-4090 alternating by node,
 50 GB/s between nodes; Llama-3-8B at 1M tokens; uniform and uneven zigzag layouts.
 
+Besides, the simulations a search really asks for: every `simulate_step` call of the default
+searches of plan_quality.py's 20 random clusters (seed 2024; 5-12 GPUs, helper process off),
+recorded and replayed in order, each search's with a fresh `shared` dict as the search starts
+with (its tables of layout structures fill up as they would in the search).
+
 Run: `.venv/bin/python benchmarks/simulator_speed.py` (prints a table and updates the
 "Step simulator speed" section of benchmarks/RESULTS.md).
 """
@@ -89,6 +94,42 @@ def measure() -> list[tuple[int, int, str, float, float]]:
     return rows
 
 
+def search_replay() -> tuple[int, float]:
+    """(simulations, median ms per simulation over `REPEATS` replays) of the default
+    searches of plan_quality.py's 20 random clusters (module doc)."""
+    os.environ["HEXISEQ_SEARCH_HELPER"] = "off"  # every simulation in this process
+    import plan_quality
+
+    import hexiseq.search._evaluate as evaluate
+    from hexiseq import plan_search
+
+    calls, simulate = [], evaluate.simulate_step
+
+    def recorded(*args, **kwargs):
+        calls.append((args, kwargs))
+        return simulate(*args, **kwargs)
+
+    cases, _ = plan_quality.draw_cases(20, 2024)
+    evaluate.simulate_step = recorded
+    try:
+        for case in cases:
+            plan_search(case.cluster, case.model, case.seq_len)
+    finally:
+        evaluate.simulate_step = simulate
+    per_simulation_ms = []
+    for _ in range(REPEATS + 1):  # the first a warm-up
+        fresh: dict[int, dict] = {}  # a search's shared dict -> this replay's
+        replayed = [
+            (args, {**kwargs, "shared": fresh.setdefault(id(kwargs["shared"]), {})})
+            for args, kwargs in calls
+        ]
+        started = time.perf_counter()
+        for args, kwargs in replayed:
+            simulate(*args, **kwargs)
+        per_simulation_ms.append((time.perf_counter() - started) * 1e3 / len(calls))
+    return len(calls), statistics.median(per_simulation_ms[1:])
+
+
 def format_table(rows: list[tuple[int, int, str, float, float]]) -> str:
     lines = ["| GPUs | HP groups | layout | median ms | target ms |", "|---:|---:|---|---:|---:|"]
     lines += [
@@ -96,6 +137,14 @@ def format_table(rows: list[tuple[int, int, str, float, float]]) -> str:
         for gpus, groups, kind, ms, target in rows
     ]
     return "\n".join(lines)
+
+
+def format_replay(simulations: int, ms: float) -> str:
+    return (
+        f"The default searches of plan_quality.py's 20 random clusters (seed 2024): "
+        f"{simulations} simulations, replayed in {ms:.2f} ms each (median of {REPEATS} "
+        "replays after one warm-up)."
+    )
 
 
 def update_results(table: str) -> None:
@@ -119,7 +168,7 @@ def update_results(table: str) -> None:
 
 
 def main() -> int:
-    table = format_table(measure())
+    table = format_table(measure()) + "\n\n" + format_replay(*search_replay())
     print(table)
     update_results(table)
     return 0

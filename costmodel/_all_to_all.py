@@ -35,26 +35,20 @@ def all_to_all_durations(context: SimContext) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Fan:
-    """The groups padded to the largest group's size with members that move nothing, and
-    which of their members share a node."""
+    """The groups padded to the largest group's size with members that move nothing, with
+    the links their traffic takes (`_FanLinks`)."""
 
     def __init__(self, context: SimContext) -> None:
         self.context = context
-        members, real = context.structural("padded members", _padded_members)
-        self.tokens = np.where(real, context.tokens[members], 0).astype(np.float64)
-        self.heads = np.where(real, context.heads[members], 0).astype(np.float64)
-        self.kv_heads = np.where(real, context.kv_heads[members], 0).astype(np.float64)
-        self.nodes = nodes = context.node_of[members]
-        self.same_node = nodes[:, :, None] == nodes[:, None, :]
-        self.remote = ~self.same_node & real[:, None, :]
-        self.any_remote = bool(self.remote.any())  # node-aligned groups never have one
+        self.links = links = context.on_cluster("fan links", _FanLinks)
+        self.tokens = np.where(links.real, context.tokens[links.members], 0).astype(np.float64)
 
     def durations(self, *, q_heads: bool, kv: bool) -> np.ndarray:
-        context = self.context
+        context, links = self.context, self.links
         sent = batched_all_to_all_bytes(
             self.tokens,
-            self.heads,
-            self.kv_heads,
+            links.heads,
+            links.kv_heads,
             context.model.head_dim,
             q_heads=q_heads,
             kv=kv,
@@ -68,30 +62,46 @@ class _Fan:
         """[group, member] time for each member to send (or receive) its shares to every
         other member: same-node bytes over the node's link, cross-node bytes through the
         slowest link to any member on another node."""
-        context, nodes, remote = self.context, self.nodes, self.remote
-        cost, bandwidth, latency = context.cost, context.bandwidth_GBps, context.latency_s
+        cost, links = self.context.cost, self.links
         local_s = cost.transfer_time_s(
-            (bytes_by_member * self.same_node).sum(axis=2),
-            bandwidth[nodes, nodes],
-            latency[nodes, nodes],
+            (bytes_by_member * links.same_node).sum(axis=2), links.local_GBps, links.local_s
         )
-        if not self.any_remote:
+        if not links.any_remote:
             return local_s
-        has_remote = remote.any(axis=2)
-        link_GBps = bandwidth[nodes[:, :, None], nodes[:, None, :]]
-        slowest_GBps = np.where(remote, link_GBps, np.inf).min(axis=2)
-        first_remote = np.take_along_axis(nodes, remote.argmax(axis=2), axis=1)
         remote_s = cost.transfer_time_s(
-            (bytes_by_member * remote).sum(axis=2),
-            np.where(has_remote, slowest_GBps, 1.0),  # 1.0: no cross-node member, no bytes
-            latency[nodes, first_remote],
+            (bytes_by_member * links.remote).sum(axis=2), links.remote_GBps, links.remote_s
         )
-        return np.where(has_remote, np.maximum(local_s, remote_s), local_s)
+        return np.where(links.has_remote, np.maximum(local_s, remote_s), local_s)
+
+
+class _FanLinks:
+    """What the all-to-alls of a layout's groups take from its groups, heads and cluster
+    alone, once per such structure (`SimContext.on_cluster`): each group's padded members
+    ([group, slot], `_padded_members`), their heads, which share a node, and the links and
+    latencies of their same-node and cross-node traffic."""
+
+    def __init__(self, context: SimContext) -> None:
+        self.members, self.real = members, real = _padded_members(context.layout)
+        self.heads = np.where(real, context.heads[members], 0).astype(np.float64)
+        self.kv_heads = np.where(real, context.kv_heads[members], 0).astype(np.float64)
+        nodes = context.node_of[members]
+        bandwidth, latency = context.bandwidth_GBps, context.latency_s
+        self.same_node = nodes[:, :, None] == nodes[:, None, :]
+        self.remote = ~self.same_node & real[:, None, :]
+        self.any_remote = bool(self.remote.any())  # node-aligned groups never have one
+        self.local_GBps, self.local_s = bandwidth[nodes, nodes], latency[nodes, nodes]
+        self.has_remote = self.remote.any(axis=2)
+        link_GBps = bandwidth[nodes[:, :, None], nodes[:, None, :]]
+        slowest_GBps = np.where(self.remote, link_GBps, np.inf).min(axis=2)
+        first_remote = np.take_along_axis(nodes, self.remote.argmax(axis=2), axis=1)
+        # 1.0 GB/s where no member is on another node: no cross-node bytes to send
+        self.remote_GBps = np.where(self.has_remote, slowest_GBps, 1.0)
+        self.remote_s = latency[nodes, first_remote]
 
 
 def _padded_members(layout: AttentionLayout) -> tuple[np.ndarray, np.ndarray]:
     """[group, slot] member ranks (padding repeats the first member) and which are real (once
-    per groups among the simulations that share their tables, `SimContext.structural`)."""
+    per groups and cluster among the simulations that share their tables, `_FanLinks`)."""
     groups = layout.groups
     width = max(len(members) for members in groups)
     padded = [list(members) + [members[0]] * (width - len(members)) for members in groups]

@@ -70,8 +70,8 @@ def build_ring_tables(context: SimContext) -> RingTables:
         senders,
         forward_s,
         backward_s,
-        _transfer_times(context, senders, block_tokens, element),
-        _transfer_times(context, dkv_senders, block_tokens, FP32),
+        _transfer_times(context, "K/V hops", senders, block_tokens, element),
+        _transfer_times(context, "dK/dV hops", dkv_senders, block_tokens, FP32),
         dkv_senders,
         folds,
         _fold_times(context, folds, block_tokens),
@@ -135,15 +135,23 @@ def _fold_times(context: SimContext, folds: FoldLinks, block_tokens: np.ndarray)
     the group holds at that step, over the link between the two ranks."""
     if not len(folds.keepers):
         return np.zeros((block_tokens.shape[0], 0))
-    tokens = np.take(block_tokens, context.group_of[folds.keepers], axis=1)  # [step, link]
+    links = context.on_cluster("fold links", lambda c: _Links(c, folds.folders, folds.keepers))
+    tokens = np.take(block_tokens, links.receiver_groups, axis=1)  # [step, link]
     bytes_moved = folds.heads[None, :] * tokens * 2 * context.model.head_dim * FP32
-    link_nodes = context.node_of[folds.folders], context.node_of[folds.keepers]
-    seconds = context.cost.transfer_time_s(
-        bytes_moved,
-        context.bandwidth_GBps[link_nodes][None, :],
-        context.latency_s[link_nodes][None, :],
-    )
+    seconds = context.cost.transfer_time_s(bytes_moved, links.GBps, links.latency_s)
     return np.asarray(seconds, dtype=float)
+
+
+class _Links:
+    """Links from `senders` to `receivers` (rank arrays) in a layout: the receivers' groups
+    and each link's bandwidth and latency ([1, link]), once per layout structure and cluster
+    (`SimContext.on_cluster`)."""
+
+    def __init__(self, context: SimContext, senders: np.ndarray, receivers: np.ndarray):
+        self.receiver_groups = context.group_of[receivers]
+        link_nodes = context.node_of[senders], context.node_of[receivers]
+        self.GBps = context.bandwidth_GBps[link_nodes][None, :]
+        self.latency_s = context.latency_s[link_nodes][None, :]
 
 
 def _attention_times(
@@ -204,25 +212,32 @@ def _block_shapes(context: SimContext, pairs: np.ndarray) -> tuple[np.ndarray, n
 
 
 def _transfer_times(
-    context: SimContext, senders: RingSenders, block_tokens: np.ndarray, element_bytes: int
+    context: SimContext,
+    name: str,
+    senders: RingSenders,
+    block_tokens: np.ndarray,
+    element_bytes: int,
 ) -> np.ndarray:
     """[step, rank] time to receive the block of `block_tokens[step, group]` tokens (K/V, or
     dK/dV in FP32): `kv_heads_in` heads while each sender sends all its outgoing heads;
-    the slowest sender sets the time."""
-    receivers = senders.receivers
-    heads = np.maximum(senders.kv_heads_in[receivers], senders.heads_out[senders.senders])
-    bytes_per_token = heads * 2 * context.model.head_dim * element_bytes  # [link] (integers)
-    bytes_moved = np.take(block_tokens, context.group_of[receivers], axis=1)
+    the slowest sender sets the time. `name` tells the hops of `senders` apart."""
+    links = context.on_cluster(name, lambda c: _Links(c, senders.senders, senders.receivers))
+    bytes_per_token = context.on_cluster(
+        f"{name} bytes per token {element_bytes}",
+        lambda c: _bytes_per_token(c, senders, element_bytes),
+    )
+    bytes_moved = np.take(block_tokens, links.receiver_groups, axis=1)
     bytes_moved *= bytes_per_token[None, :]
-    link_nodes = context.node_of[senders.senders], context.node_of[receivers]
-    seconds = context.cost.transfer_time_s(
-        bytes_moved,
-        context.bandwidth_GBps[link_nodes][None, :],
-        context.latency_s[link_nodes][None, :],
-    )  # [step, link]
+    seconds = context.cost.transfer_time_s(bytes_moved, links.GBps, links.latency_s)
     if senders.one_per_rank:  # links are ranks already
         return seconds
     return np.maximum.reduceat(seconds, senders.first_link, axis=1)
+
+
+def _bytes_per_token(context: SimContext, senders: RingSenders, element_bytes: int):
+    """[link] bytes a block token takes on each link (integers)."""
+    heads = np.maximum(senders.kv_heads_in[senders.receivers], senders.heads_out[senders.senders])
+    return heads * 2 * context.model.head_dim * element_bytes
 
 
 def recipe_kernel(context: SimContext, gpu: str) -> str | None:

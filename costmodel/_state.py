@@ -70,6 +70,16 @@ class SimContext:
             self.shared[key] = compute(layout)
         return self.shared[key]
 
+    def on_cluster(self, name: str, compute: Callable[[SimContext], T]) -> T:
+        """`compute(self)` of a table that depends on the layout's groups and heads and on
+        the cluster, model, step and cost model (their GPUs and links), not on the token
+        split: once per such structure among the simulations sharing `shared`, which may
+        simulate other clusters (the baselines')."""
+        layout = self.layout
+        pins = (self.cluster, self.model, self.train, self.cost)
+        key = (layout.groups, layout.head_ranges)
+        return pinned(self.shared, name, pins, lambda *_: compute(self), *key)
+
     def of_layout(self, name: str, compute: Callable[[SimContext], np.ndarray]) -> np.ndarray:
         """`compute(self)` of a table that depends on the whole layout (its token ranges
         too) and nothing else: once per layout among the simulations sharing `shared` where
@@ -120,7 +130,7 @@ def make_context(
     """Gather the per-rank facts of `layout` on `cluster` once (O(N), no rank-by-rank lookups).
 
     The link matrices come from `cost.link_parameters` (a fitted model's measured links)."""
-    bandwidth_GBps, latency_s = cost.link_parameters(cluster)
+    shared = {} if shared is None else shared
     return SimContext(
         cluster=cluster,
         model=model,
@@ -128,36 +138,71 @@ def make_context(
         layout=layout,
         cost=cost,
         ranks_by_gpu=_ranks_by_gpu(cluster.rank_gpus),
-        node_of=np.array(cluster.node_indices, dtype=np.int64),
-        bandwidth_GBps=bandwidth_GBps,
-        latency_s=latency_s,
-        slowdown=np.array(cluster.compute_slowdowns),
-        shared={} if shared is None else shared,
-        **_layout_arrays(layout),
+        shared=shared,
+        **pinned(shared, "cluster arrays", (cluster, cost), _cluster_arrays),
+        **_layout_arrays(layout, shared),
     )
 
 
-def _layout_arrays(layout: AttentionLayout) -> dict[str, np.ndarray]:
-    """The `SimContext` fields that come from the layout alone, as int64 arrays."""
+def pinned(shared: dict, name: str, pins: tuple, compute: Callable[..., T], *key) -> T:
+    """`compute(*pins)` once per `name`, the identities of `pins` and `key` in `shared`
+    (the entry keeps the pins alive, so their ids are not reused while it lives)."""
+    full_key = (name, *key, *map(id, pins))
+    found = shared.get(full_key)
+    if found is None:
+        found = shared[full_key] = (pins, compute(*pins))
+    return found[1]
+
+
+def _cluster_arrays(cluster: Cluster, cost: CostModel) -> dict[str, np.ndarray]:
+    """The `SimContext` fields of the cluster and its links under `cost` (read-only)."""
+    bandwidth_GBps, latency_s = cost.link_parameters(cluster)
+    arrays = {
+        "node_of": np.array(cluster.node_indices, dtype=np.int64),
+        "bandwidth_GBps": np.array(bandwidth_GBps, dtype=np.float64),
+        "latency_s": np.array(latency_s, dtype=np.float64),
+        "slowdown": np.array(cluster.compute_slowdowns),
+    }
+    for array in arrays.values():
+        array.setflags(write=False)
+    return arrays
+
+
+def _layout_arrays(layout: AttentionLayout, shared: dict | None = None) -> dict[str, np.ndarray]:
+    """The `SimContext` fields that come from the layout alone, as int64 arrays: those of
+    its groups and heads once per such structure among the simulations sharing `shared`."""
+    if shared is None:
+        arrays = _group_arrays(layout)
+    else:
+        key = ("group arrays", layout.groups, layout.head_ranges, layout.gqa_ratio)
+        arrays = shared.get(key)
+        if arrays is None:
+            arrays = shared[key] = _group_arrays(layout)
+    tokens = np.array(layout.token_counts, dtype=np.int64)
+    # a valid layout's ranges are disjoint: a group's segment is its members' tokens
+    segment_lengths = np.add.reduceat(tokens[arrays["rank_order"]], arrays["group_starts"])
+    return {**arrays, "tokens": tokens, "segment_lengths": segment_lengths}
+
+
+def _group_arrays(layout: AttentionLayout) -> dict[str, np.ndarray]:
+    """The `SimContext` fields of the layout's groups and heads (read-only)."""
     group_count = len(layout.groups)
     group_of = np.empty(layout.world_size, dtype=np.int64)
     for group_index, members in enumerate(layout.groups):
         group_of[list(members)] = group_index
-    tokens = np.array(layout.token_counts, dtype=np.int64)
-    segment_lengths = np.zeros(group_count, dtype=np.int64)
-    np.add.at(segment_lengths, group_of, tokens)  # a valid layout's ranges are disjoint
     starts, ends = np.array(layout.head_ranges, dtype=np.int64).T
     ratio = layout.gqa_ratio
     rank_order = np.argsort(group_of, kind="stable")
-    return {
+    arrays = {
         "group_of": group_of,
-        "tokens": tokens,
         "heads": ends - starts,
         "kv_heads": -(-ends // ratio) - starts // ratio,  # `layout.kv_head_range`
-        "segment_lengths": segment_lengths,
         "rank_order": rank_order,
         "group_starts": np.searchsorted(group_of[rank_order], np.arange(group_count)),
     }
+    for array in arrays.values():
+        array.setflags(write=False)
+    return arrays
 
 
 @lru_cache(maxsize=64)
@@ -219,23 +264,34 @@ def _slowed(context: SimContext, seconds: np.ndarray) -> np.ndarray:
     return seconds
 
 
-class Ledger:
-    """Per-rank accumulators of the breakdown categories."""
+_ROW = {key: row for row, key in enumerate(BREAKDOWN_KEYS)}
 
-    def __init__(self, world_size: int) -> None:
-        self.parts = {key: np.zeros(world_size) for key in BREAKDOWN_KEYS}
+
+class Ledger:
+    """Per-rank accumulators of the breakdown categories: one [category, rank] table, so
+    scaling, merging and totalling a ledger are one array operation each."""
+
+    def __init__(self, world_size: int, table: np.ndarray | None = None) -> None:
+        self.table = np.zeros((len(BREAKDOWN_KEYS), world_size)) if table is None else table
+
+    @property
+    def parts(self) -> dict[str, np.ndarray]:
+        """Category -> [rank] seconds (views of the table)."""
+        return dict(zip(BREAKDOWN_KEYS, self.table))
 
     def add(self, key: str, seconds: np.ndarray | float) -> None:
-        self.parts[key] = self.parts[key] + seconds
+        row = self.table[_ROW[key]]
+        row += seconds
 
     def scaled(self, factor: float) -> Ledger:
-        copy = Ledger(len(self.parts["linear_s"]))
-        copy.parts = {key: value * factor for key, value in self.parts.items()}
-        return copy
+        return Ledger(self.table.shape[1], self.table * factor)
 
     def merge(self, other: Ledger) -> None:
-        for key, value in other.parts.items():
-            self.parts[key] = self.parts[key] + value
+        self.table += other.table
 
     def total(self) -> np.ndarray:
-        return sum(self.parts.values())
+        """[rank] seconds of all categories, added in `BREAKDOWN_KEYS` order."""
+        total = self.table[0].copy()
+        for row in self.table[1:]:
+            total += row
+        return total

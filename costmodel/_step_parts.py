@@ -178,21 +178,33 @@ def per_rank_work(context: SimContext, work_of: Callable[[RankKernels], Work]) -
     """`work_of` each rank's `RankKernels` (fused RMSNorm unless a CPU rank; the ring's
     groups; whether its HP group is the rank alone), once per distinct kind: one `Work` when
     every rank is of one kind, else [rank] arrays."""
+    kinds, kind_of = context.on_cluster("rank kinds", _rank_kinds)
+    if kind_of is None:
+        return work_of(kinds[0])
+    works = [work_of(kind) for kind in kinds]
+    return Work(
+        np.array([w.bytes for w in works], dtype=np.float64)[kind_of],
+        np.array([w.kernels for w in works], dtype=np.float64)[kind_of],
+    )
+
+
+def _rank_kinds(context: SimContext) -> tuple[list[RankKernels], np.ndarray | None]:
+    """The distinct `RankKernels` of the ranks and [rank] the index of each rank's (None
+    where all are of one kind)."""
     group_sizes = np.bincount(context.group_of)
     steps = len(group_sizes)
     cpu = context.ranks_by_gpu.get("cpu")
     if cpu is None and (group_sizes.min() > 1 or group_sizes.max() == 1):
-        return work_of(RankKernels(True, steps, bool(group_sizes.max() == 1)))
+        return [RankKernels(True, steps, bool(group_sizes.max() == 1))], None
     alone = group_sizes[context.group_of] == 1
     fused = np.ones(len(alone), dtype=bool)
     if cpu is not None:
         fused[cpu] = False
-    kinds = {key: work_of(RankKernels(key[0], steps, key[1])) for key in set(zip(fused, alone))}
-    chosen = [kinds[key] for key in zip(fused, alone)]
-    return Work(
-        np.array([w.bytes for w in chosen], dtype=np.float64),
-        np.array([w.kernels for w in chosen], dtype=np.float64),
-    )
+    keys = list(dict.fromkeys(zip(fused.tolist(), alone.tolist())))
+    index = {key: i for i, key in enumerate(keys)}
+    kind_of = np.array([index[key] for key in zip(fused.tolist(), alone.tolist())])
+    kind_of.setflags(write=False)
+    return [RankKernels(f, steps, a) for f, a in keys], kind_of
 
 
 def _cast_params(context: SimContext, fractions: Sequence[float], backward: bool) -> np.ndarray:

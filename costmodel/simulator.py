@@ -44,6 +44,7 @@ from hexiseq.costmodel._state import (
     Ledger,
     SimContext,
     make_context,
+    pinned,
 )
 from hexiseq.costmodel._step_parts import (
     BandwidthParts,
@@ -250,8 +251,10 @@ def _book(ledger: Ledger, start: np.ndarray, parts: Parts, factor: float = 1.0) 
     """Book `factor` x each of `parts`, one after the other from `start`; returns the end."""
     end = start
     for key, seconds in parts.items():
-        ledger.add(key, factor * seconds)
-        end = end + factor * seconds
+        if factor != 1.0:
+            seconds = factor * seconds
+        ledger.add(key, seconds)
+        end = end + seconds
     return end
 
 
@@ -282,8 +285,11 @@ def _gemm_operand_bytes(
     tokens: np.ndarray, shapes: Sequence[tuple[int, int]], element_bytes: int
 ) -> np.ndarray:
     """Bytes read and written by the GEMMs [tokens, k] @ [k, n], one per (k, n) of `shapes`:
-    (m·k + k·n + m·n) elements of the compute dtype each, m = tokens."""
-    return element_bytes * sum(tokens * k + k * n + tokens * n for k, n in shapes)
+    (m·k + k·n + m·n) elements of the compute dtype each, m = tokens. Whole numbers far
+    below 2**53: gathered as m·Σ(k + n) + Σk·n, the float64 sums are exact all the same."""
+    widths = sum(k + n for k, n in shapes)
+    weights = sum(k * n for k, n in shapes)
+    return element_bytes * (tokens * widths + weights)
 
 
 def _add_sharding_exposure(
@@ -308,14 +314,21 @@ def _domain_collective_time(
 ) -> float:
     """All-gather (or reduce-scatter) of `total_bytes` sharded by `fractions` over all ranks:
     each rank receives what it does not own; cross-node traffic goes through its NIC."""
-    bandwidth, latency = context.bandwidth_GBps, context.latency_s
-    if len(bandwidth) == 1:
-        slowest_GBps, latency_s = bandwidth[0, 0], latency[0, 0]
-    else:
-        off_diagonal = ~np.eye(len(bandwidth), dtype=bool)
-        slowest_GBps, latency_s = bandwidth[off_diagonal].min(), latency[0, 1]
+    slowest_GBps, latency_s = pinned(
+        context.shared, "domain link", (context.cluster, context.cost), _domain_link
+    )
     largest_missing = (1.0 - min(fractions)) * total_bytes  # = max(1 - f): 1 - f is monotone
     return float(context.cost.transfer_time_s(largest_missing, slowest_GBps, latency_s))
+
+
+def _domain_link(cluster: Cluster, cost: CostModel) -> tuple[float, float]:
+    """The bandwidth and latency of the domain's collectives: the slowest link between two
+    nodes (the node's own link on one node)."""
+    bandwidth, latency = cost.link_parameters(cluster)
+    if len(bandwidth) == 1:
+        return bandwidth[0, 0], latency[0, 0]
+    off_diagonal = ~np.eye(len(bandwidth), dtype=bool)
+    return bandwidth[off_diagonal].min(), latency[0, 1]
 
 
 def _prediction(
@@ -327,7 +340,7 @@ def _prediction(
     )
     # By rank, not by GPU type: a CPU test node may set its own `memory_GiB` (Cluster.gpu).
     capacity = context.cluster.memory_capacities_bytes
-    seconds_by_part = {key: tuple(ledger.parts[key].tolist()) for key in BREAKDOWN_KEYS}
+    seconds_by_part = dict(zip(BREAKDOWN_KEYS, map(tuple, ledger.table.tolist())))
     labels = {gpu: context.cost.label(gpu) for gpu in context.ranks_by_gpu}
     tokens = context.train.tokens_per_step
     return StepPrediction(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout, build_zigzag_layout
@@ -212,9 +214,13 @@ def test_tables_shared_between_simulations_change_no_prediction():
         together = simulate_step(cluster, model, train, layout, cost, shared=shared)
         assert together.rank_times == alone.rank_times
         assert together.step_time_s == alone.step_time_s
-    # the ring's traffic (senders, dK/dV senders, folds), the all-to-all's padded groups:
-    # two head splits
-    assert len(shared) == 2 * 2
+    # the cluster's arrays and collective link once; every table of the groups and heads
+    # (the ring's traffic, the all-to-all's padded groups and links, ...) once per head
+    # split: two
+    by_name = collections.Counter(key[0] for key in shared)
+    assert by_name.pop("cluster arrays") == by_name.pop("domain link") == 1
+    assert {"ring traffic", "fan links", "group arrays"} <= set(by_name)
+    assert set(by_name.values()) == {2}
 
 
 def test_tables_kept_by_whole_layout_serve_other_clusters_of_its_shape_unchanged():
