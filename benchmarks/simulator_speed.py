@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 from _results import replace_section
+from planner_scaling import calibration_s, machine_line
 
 from hexiseq import Cluster, ModelSpec, TrainSpec, build_uniform_layout, build_zigzag_layout
 from hexiseq.costmodel import DatasheetCostModel, simulate_step
@@ -168,7 +169,9 @@ def update_results(table: str) -> None:
 
 
 def main() -> int:
+    before_s = calibration_s()
     table = format_table(measure()) + "\n\n" + format_replay(*search_replay())
+    table += "\n\n" + machine_line(before_s, calibration_s())
     print(table)
     update_results(table)
     return 0
