@@ -27,11 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from _results import replace_section
-from planner_ab import _git, _TreeFinder, baseline_worktree
+from planner_ab import _TreeFinder, baseline_worktree, provenance
 
 REPO = Path(__file__).resolve().parent.parent
 COMMAND = ["plan", "--cluster", "h100x8-a100x8", "--model", "llama-30b", "--seq-len", "256k"]
@@ -128,18 +127,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure is not None:
         print(json.dumps(measure(Path(args.measure), args.store)))
         return 0
-    head = _git("rev-parse", "--short", "HEAD")
-    dirty = "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    head, stamp, command = provenance("cli_latency.py")
     with baseline_worktree(args.baseline) as (revision, worktree):
-        labels = {"baseline": revision, "this": f"this tree ({head}{dirty})"}
+        labels = {"baseline": revision, "this": f"this tree ({head})"}
         trees = {"baseline": worktree, "this": REPO}
         with tempfile.TemporaryDirectory() as stores:
             results = run_alternating(trees, Path(stores), args.runs)
     table = format_table(results, labels)
     print(table)
     if not args.no_write:
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        command = shlex.join([".venv/bin/python", "benchmarks/cli_latency.py", *sys.argv[1:]])
         replace_section(
             "cli_latency",
             "## CLI latency: the README's first command, cold\n\n"

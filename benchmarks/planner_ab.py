@@ -254,14 +254,11 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(results, args.cells)
     print(table)
     if not args.no_write:
-        head = _git("rev-parse", "--short", "HEAD")
-        dirty = "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        command = shlex.join([".venv/bin/python", "benchmarks/planner_ab.py", *sys.argv[1:]])
+        head, stamp, command = provenance("planner_ab.py")
         replace_section(
             "planner_ab",
             "## Planner A/B (interleaved)\n\n"
-            f"Default `plan_search`, this tree ({head}{dirty}) against {revision}: "
+            f"Default `plan_search`, this tree ({head}) against {revision}: "
             f"{args.rounds} alternating rounds, a fresh process per tree each round; a "
             f"cell's time is the median wall time of {args.repeats} searches after one "
             f"warm-up, then the median over the rounds (2 CPU cores, {stamp}). "
@@ -269,6 +266,16 @@ def main(argv: list[str] | None = None) -> int:
             f"very same number).\n\n{table}\n\nProduced by `{command}`.",
         )
     return 0
+
+
+def provenance(script: str) -> tuple[str, str, str]:
+    """(this tree's short revision, "-dirty" appended where tracked files changed; the UTC
+    time now; the command line that ran `benchmarks/<script>`) for a RESULTS section."""
+    head = _git("rev-parse", "--short", "HEAD")
+    dirty = "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    command = shlex.join([".venv/bin/python", f"benchmarks/{script}", *sys.argv[1:]])
+    return head + dirty, stamp, command
 
 
 @contextmanager

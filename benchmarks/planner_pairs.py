@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 from _results import replace_section
-from planner_ab import REPO, _git, _TreeFinder, baseline_worktree
+from planner_ab import REPO, _TreeFinder, baseline_worktree, provenance
 from planner_scaling import calibration_s, machine_line
 
 CLUSTERS = 20
@@ -139,16 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     table = format_table(found, unit) + "\n\n" + machine_line(before_s, calibration_s())
     print(table)
     if not args.no_write:
-        head = _git("rev-parse", "--short", "HEAD")
-        dirty = "-dirty" if _git("status", "--porcelain", "--untracked-files=no") else ""
-        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        command = shlex.join([".venv/bin/python", "benchmarks/planner_pairs.py", *sys.argv[1:]])
+        head, stamp, command = provenance("planner_pairs.py")
         helper = "helper off, CPU seconds" if args.helper == "off" else "helper on, wall seconds"
         replace_section(
             f"planner_pairs_{args.helper}",
             f"## Planner pairs ({helper})\n\n"
             f"Default `plan_search` on plan_quality.py's {CLUSTERS} random clusters (seed "
-            f"{SEED}), this tree ({head}{dirty}) against {revision}: one process per tree, the "
+            f"{SEED}), this tree ({head}) against {revision}: one process per tree, the "
             "two taking turns search by search; a cluster's time is the median of "
             f'{args.rounds} searches after one warm-up (2 CPU cores, {stamp}). "best plan": '
             "whether every search of both trees found a plan of the same throughput.\n\n"
